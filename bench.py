@@ -1,0 +1,141 @@
+"""
+What does LIMe cost? Times a full training step and counts activation memory, baseline vs LIMe.
+
+    python bench.py                                   # 8 and 32 layers at width 256, plus deep-narrow
+    python bench.py --depths=4,16 --repeats=3 --deep=False
+    python bench.py --device=cuda                     # bf16 autocast on CUDA
+
+Each configuration runs in a fresh process (so peak memory is its own). Per configuration we measure:
+  step ms    median wall time of forward + backward + AdamW step, after warm-up steps
+  act mem    bytes autograd keeps for backward in one forward pass (saved_tensors_hooks, unique storages,
+             parameters excluded): deterministic, the same on every machine; the primary memory figure
+  peak       peak RSS of the process on CPU (includes the interpreter and torch itself, and the
+             allocator's habits), torch.cuda.max_memory_allocated on CUDA: secondary
+and print one table of LIMe / baseline ratios, next to the FLOP ratio from flops_per_token.
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+
+from lime import GPT, GPTConfig
+
+
+def saved_activation_bytes(fn, exclude=()):
+    """Bytes autograd saves for backward while running fn(), over unique storages, skipping storages of
+    the tensors in `exclude` (e.g. parameters: they exist anyway)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def measure(n_layer, n_embd, n_head, block_size, batch_size, vocab_size, lime, device="cpu",
+            warmup=2, repeats=5, seed=0):
+    """Build one model and measure it. Returns a dict of plain numbers."""
+    torch.manual_seed(seed)
+    cfg = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
+                    n_embd=n_embd, lime=lime)
+    model = GPT(cfg).to(device)
+    opt = model.configure_optimizers(0.1, 1e-3, device_type=device)
+    x = torch.randint(0, vocab_size, (batch_size, block_size), device=device)
+    autocast = torch.autocast("cuda", torch.bfloat16) if device == "cuda" else nullcontext()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def step():
+        with autocast:
+            _, loss = model(x, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times = []
+    for i in range(warmup + repeats):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    with autocast:
+        act, (_, loss) = saved_activation_bytes(lambda: model(x, x), exclude=list(model.parameters()))
+    del loss
+    if device == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    step_s = statistics.median(times)
+    flops = 3 * model.flops_per_token(block_size) * batch_size * block_size
+    return dict(step_ms=step_s * 1e3, act_bytes=act, peak_bytes=peak, flops=flops,
+                gflops_per_s=flops / step_s / 1e9)
+
+
+def run_fresh(args):
+    """measure(**args) in a fresh Python process; returns its result dict."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--_worker=" + json.dumps(args)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"benchmark worker failed for {args}:\n{res.stderr.strip()}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--depths", default="8,32", help="comma-separated n_layer values at the main width")
+    p.add_argument("--n_embd", type=int, default=256)
+    p.add_argument("--n_head", type=int, default=8)
+    p.add_argument("--block_size", type=int, default=256)
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--vocab_size", type=int, default=256)
+    p.add_argument("--deep", default="True", help="also the deep-narrow config: 24 layers, width 64, "
+                   "4 heads, block 128, batch 32")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a._worker:
+        print(json.dumps(measure(**json.loads(a._worker))))
+        return
+    common = dict(device=a.device, warmup=a.warmup, repeats=a.repeats)
+    rows = [(f"{d} layers, width {a.n_embd}",
+             dict(n_layer=int(d), n_embd=a.n_embd, n_head=a.n_head, block_size=a.block_size,
+                  batch_size=a.batch_size, vocab_size=a.vocab_size)) for d in a.depths.split(",")]
+    if a.deep.lower() in ("true", "1", "yes"):
+        rows.append(("24 layers, width 64 (deep)",
+                     dict(n_layer=24, n_embd=64, n_head=4, block_size=128, batch_size=32,
+                          vocab_size=a.vocab_size)))
+    print(f"device={a.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"median of {a.repeats} steps after {a.warmup} warm-up")
+    head = (f"{'config':<28} {'base ms':>8} {'lime ms':>8} {'time x':>7} {'FLOP x':>7} {'act x':>6} "
+            f"{'peak x':>7} {'act MiB b/l':>13} {'GFLOP/s b/l':>12}")
+    print(head)
+    print("-" * len(head))
+    for name, cfg in rows:
+        b = run_fresh(dict(cfg, lime=False, **common))
+        l = run_fresh(dict(cfg, lime=True, **common))
+        print(f"{name:<28} {b['step_ms']:8.0f} {l['step_ms']:8.0f} {l['step_ms'] / b['step_ms']:7.3f} "
+              f"{l['flops'] / b['flops']:7.3f} {l['act_bytes'] / b['act_bytes']:6.3f} "
+              f"{l['peak_bytes'] / b['peak_bytes']:7.3f} "
+              f"{b['act_bytes'] / 2**20:6.0f}/{l['act_bytes'] / 2**20:<6.0f} "
+              f"{b['gflops_per_s']:5.0f}/{l['gflops_per_s']:<5.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
