@@ -121,8 +121,8 @@ def test_fast_mix_matches_reference_formula():
                    for l in range(1, L)]
     from lime import KVStack, _LimeMix
     stack = KVStack(L)
-    fast = [_LimeMix.apply(kv, W, stack, l) for l, (kv, W) in enumerate(zip(kvs, Ws))]  # (H, 2, B, T, hd)
-    fast = [m.permute(2, 3, 1, 0, 4) for m in fast]                                    # (B, T, 2, H, hd)
+    fast = [_LimeMix.apply(kv, W, stack, l) for l, (kv, W) in enumerate(zip(kvs, Ws))]  # k, v: (B, H, T, hd)
+    fast = [torch.stack([k, v], dim=2).transpose(1, 3) for k, v in fast]                # (B, T, 2, H, hd)
     ref_k = lime_mix_reference([kv[:, :, 0] for kv in kvs], Ws)
     ref_v = lime_mix_reference([kv[:, :, 1] for kv in kvs], Ws)
     ref = [torch.stack([k, v], dim=2) for k, v in zip(ref_k, ref_v)]
