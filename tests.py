@@ -4,17 +4,35 @@ The test suite: CPU, offline, a couple of minutes on 2 cores.
     python -m pytest tests.py -q
 """
 
+import json
 import math
+import os
+import subprocess
+import sys
+from dataclasses import asdict
 
+import numpy as np
 import pytest
+import tiktoken
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+torch.set_num_threads(1)  # tiny models: one thread is as fast, and immune to a busy machine's other work
+
+import analyze
+import prepare_data
+import sample
+import train
+from analyze import head_shares, renyi_entropy, router_shares, standardize
 from lime import GPT, GPTConfig, lime_mix_reference
+from prepare_data import get_tokenizer, load_meta, load_tokens, prepare
+from train import save_checkpoint
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def tiny(lime, **kw):
+def tiny_config(lime, **kw):
     cfg = dict(vocab_size=61, block_size=16, n_layer=4, n_head=4, n_embd=32, lime=lime)
     cfg.update(kw)
     return GPTConfig(**cfg)
@@ -22,7 +40,7 @@ def tiny(lime, **kw):
 
 def make(lime, seed=0, dtype=torch.float32, **kw):
     torch.manual_seed(seed)
-    return GPT(tiny(lime, **kw)).to(dtype)
+    return GPT(tiny_config(lime, **kw)).to(dtype)
 
 
 def routers(model):
@@ -244,9 +262,9 @@ def test_overfits_one_batch(lime):
 
 def test_bad_config_and_inputs():
     with pytest.raises(ValueError, match="divisible"):
-        GPT(tiny(False, n_embd=30, n_head=4))
+        GPT(tiny_config(False, n_embd=30, n_head=4))
     with pytest.raises(ValueError, match="even"):
-        GPT(tiny(False, n_embd=12, n_head=4))
+        GPT(tiny_config(False, n_embd=12, n_head=4))
     model = make(True)
     with pytest.raises(ValueError, match="block_size"):
         model(torch.zeros(1, 17, dtype=torch.long))
@@ -254,3 +272,601 @@ def test_bad_config_and_inputs():
         model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 7, dtype=torch.long))
     with pytest.raises(ValueError, match="batch, time"):
         model(torch.zeros(8, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------- prepare_data.py: corpora, tokenizers, dataset files
+
+DATA_TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 20
+
+def _tiny_encoding(special_tokens=None):
+    # a byte-level BPE made up here: the 256 single bytes plus two merges, no download
+    ranks = {bytes([i]): i for i in range(256)}
+    ranks[b"sp"], ranks[b"spe"] = 256, 257
+    return tiktoken.Encoding(name="tiny", pat_str=r"""\S+|\s+""", mergeable_ranks=ranks,
+                             special_tokens=special_tokens or {})
+
+def _tokens(d):
+    return np.concatenate([load_tokens(d, "train"), load_tokens(d, "val")]).tolist()
+
+def test_data_char_round_trip(tmp_path):
+    d = str(tmp_path / "shake")
+    meta = prepare(DATA_TEXT, d)
+    assert meta["chars"] == sorted(set(DATA_TEXT)) and meta["vocab_size"] == len(set(DATA_TEXT))
+    tok = get_tokenizer(load_meta(d))  # rebuilt from meta.json alone
+    assert tok.decode(tok.encode(DATA_TEXT)) == DATA_TEXT
+    assert tok.decode(_tokens(d)) == DATA_TEXT  # what's on disk is the whole text, train then val
+    with pytest.raises(ValueError, match="not in the vocabulary: 'é', '€'"):
+        tok.encode("Speak é€é")
+
+def test_data_split_and_meta(tmp_path):
+    text = "".join(chr(ord("a") + i % 26) for i in range(1000))
+    d = str(tmp_path / "abc")
+    meta = prepare(text, d, val_fraction=0.1, source="unit test")
+    with open(os.path.join(d, "meta.json")) as f:
+        assert json.load(f) == meta == load_meta(d)
+    assert meta["tokenizer"] == "char" and meta["dtype"] == "uint16" and meta["source"] == "unit test"
+    assert meta["n_chars"] == 1000 and meta["train_tokens"] == 900 and meta["val_tokens"] == 100
+    assert os.path.getsize(os.path.join(d, "train.bin")) == 900 * 2
+    tok = get_tokenizer(meta)
+    assert tok.decode(load_tokens(d, "val")) == text[-100:]  # val = the tail, deterministic
+    assert load_tokens(d, "train").dtype == np.dtype("<u2")
+
+def test_data_tiktoken_small_encoding(tmp_path):
+    enc = _tiny_encoding()
+    text = "speak, speak! spectre spelled special é\n" * 10
+    d = str(tmp_path / "bpe")
+    meta = prepare(text, d, tokenizer="gpt2", encoding=enc)
+    assert meta["tokenizer"] == "tiktoken" and meta["encoding"] == "tiny"
+    assert meta["vocab_size"] == 258 and meta["dtype"] == "uint16"
+    assert _tokens(d) == enc.encode_ordinary(text)
+    assert 257 in _tokens(d)  # the merges were used
+    tok = get_tokenizer(load_meta(d), encoding=enc)
+    assert tok.vocab_size == 258 and tok.decode(tok.encode(text)) == text
+    with pytest.raises(ValueError, match="encoding="):
+        get_tokenizer(meta)  # a made-up encoding can't be rebuilt from its name
+
+def test_data_uint32_when_vocab_too_big(tmp_path):
+    # a tiktoken vocab of 70001 (one special token with id 70000) must not be stored as uint16
+    enc = _tiny_encoding({"<|big|>": 70000})
+    d = str(tmp_path / "big")
+    meta = prepare("speak " * 50, d, tokenizer="gpt2", encoding=enc)
+    assert meta["vocab_size"] == 70001 and meta["dtype"] == "uint32"
+    assert os.path.getsize(os.path.join(d, "train.bin")) == meta["train_tokens"] * 4
+    assert _tokens(d) == enc.encode_ordinary("speak " * 50)
+    # char-level at the boundary: 65536 distinct characters still fit uint16, 65537 don't
+    cps = [c for c in range(0x20, 0x20 + 65537 + 2048) if not 0xD800 <= c < 0xE000][:65537]
+    for n, dtype in [(65536, "uint16"), (65537, "uint32")]:
+        text = "".join(map(chr, cps[:n])) * 2
+        d = str(tmp_path / f"chars{n}")
+        meta = prepare(text, d, val_fraction=0.5)
+        assert meta["vocab_size"] == n and meta["dtype"] == dtype
+        assert _tokens(d) == list(range(n)) * 2
+        assert get_tokenizer(load_meta(d)).decode(load_tokens(d, "val")) == text[n:]
+
+def test_data_download_failure_falls_back(tmp_path, monkeypatch, capsys):
+    def offline(url, timeout=5):
+        raise OSError("no network in tests")
+    monkeypatch.setattr(prepare_data, "download", offline)
+    meta = prepare_data.main([f"--data_dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert "could not download tiny Shakespeare" in out and "pydoc_data.topics" in out and "--input=" in out
+    import pydoc_data.topics
+    assert meta["source"].startswith("pydoc_data.topics") and meta["n_chars"] == sum(map(len, pydoc_data.topics.topics.values()))
+    assert load_meta(str(tmp_path / "quickstart")) == meta
+    assert "quickstart" in out.splitlines()[-1] and f"{meta['val_tokens']:,}" in out.splitlines()[-1]
+
+def test_data_download_success_is_cached(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(prepare_data, "download", lambda url, timeout=5: DATA_TEXT)
+    meta = prepare_data.main([f"--data_dir={tmp_path}", "--val_fraction=0.2"])
+    assert meta["source"].startswith("tiny Shakespeare") and meta["n_chars"] == len(DATA_TEXT)
+    assert sorted(os.listdir(tmp_path)) == ["quickstart", "tinyshakespeare.txt"]
+    monkeypatch.setattr(prepare_data, "download", lambda url, timeout=5: 1 / 0)  # 2nd run: from the cache
+    assert prepare_data.main([f"--data_dir={tmp_path}", "--val_fraction=0.2"]) == meta
+    assert "could not download" not in capsys.readouterr().out
+
+def test_data_interrupted_write_leaves_no_dataset(tmp_path, monkeypatch):
+    good = str(tmp_path / "good")
+    meta = prepare(DATA_TEXT, good, source="old")
+    write_bin = prepare_data._write_bin
+    def crash_after_train(path, ids, dtype):
+        if path.endswith("val.bin"):
+            raise KeyboardInterrupt  # e.g. ctrl-c mid-write, after train.bin is on disk
+        write_bin(path, ids, dtype)
+    monkeypatch.setattr(prepare_data, "_write_bin", crash_after_train)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(DATA_TEXT * 2, good, source="new")
+    with pytest.raises(KeyboardInterrupt):
+        prepare(DATA_TEXT, str(tmp_path / "fresh"))
+    assert load_meta(good) == meta  # old dataset untouched
+    with pytest.raises(FileNotFoundError):
+        load_meta(str(tmp_path / "fresh"))
+    assert sorted(os.listdir(tmp_path)) == ["good"]  # temp folders cleaned up
+    # the swap itself failing puts the old dataset back
+    monkeypatch.setattr(prepare_data, "_write_bin", write_bin)
+    rename = os.rename
+    def failing_rename(src, dst):
+        if ".tmp-" in src:
+            raise OSError("disk on fire")
+        rename(src, dst)
+    monkeypatch.setattr(prepare_data.os, "rename", failing_rename)
+    with pytest.raises(OSError):
+        prepare(DATA_TEXT * 2, good, source="new")
+    monkeypatch.undo()
+    assert load_meta(good) == meta and sorted(os.listdir(tmp_path)) == ["good"]
+    assert prepare(DATA_TEXT * 2, good, source="new")["source"] == "new"  # re-running replaces it
+    assert load_meta(good)["n_chars"] == 2 * len(DATA_TEXT) and sorted(os.listdir(tmp_path)) == ["good"]
+
+def test_data_load_meta_errors(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"prepare it with: python prepare_data.py$"):
+        load_meta("data/quickstart")
+    with pytest.raises(FileNotFoundError, match=r"python prepare_data.py --input=YOUR_TEXT.txt --name=mine$"):
+        load_meta("data/mine")
+    with pytest.raises(FileNotFoundError, match=r"--name=mine --data_dir=elsewhere$"):
+        load_meta("elsewhere/mine")
+    prepare(DATA_TEXT, "data/mine")
+    with open("data/mine/train.bin", "ab") as f:
+        f.write(b"\0")  # one byte too many
+    with pytest.raises(ValueError, match="train.bin has"):
+        load_meta("data/mine")
+    prepare(DATA_TEXT, "data/mine")
+    with open("data/mine/meta.json", "w") as f:
+        f.write('{"tokenizer": "char"')
+    with pytest.raises(ValueError, match="malformed"):
+        load_meta("data/mine")
+    os.remove("data/mine/meta.json")
+    with pytest.raises(FileNotFoundError, match="no meta.json"):
+        load_meta("data/mine")
+
+def test_data_bad_inputs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="input file not found: missing.txt"):
+        prepare_data.main(["--input=missing.txt"])
+    open("empty.txt", "w").close()
+    with pytest.raises(ValueError, match="empty"):
+        prepare_data.main(["--input=empty.txt"])
+    with open("bad.txt", "wb") as f:
+        f.write("héllo".encode() + b"\xff rest")
+    with pytest.raises(ValueError, match=r"bad.txt is not valid UTF-8: .* at byte offset 6"):
+        prepare_data.main(["--input", "empty.txt", "bad.txt"])
+    with open("tiny.txt", "w") as f:
+        f.write("abcdefghi")
+    with pytest.raises(ValueError, match="too small"):
+        prepare_data.main(["--input=tiny.txt"])  # 9 tokens -> 1 val token
+    with pytest.raises(ValueError, match="bad dataset name"):
+        prepare_data.main(["--input=tiny.txt", "--name=../x"])
+    assert not os.path.exists("data/tiny") and not os.path.exists("data/empty")
+
+def test_data_gpt2_offline_fails_fast(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty_cache"))
+    def no_network(*a, **k):
+        raise OSError("no network in tests")
+    monkeypatch.setattr(prepare_data.socket, "create_connection", no_network)
+    monkeypatch.setattr(prepare_data, "download", lambda *a, **k: pytest.fail("should fail before downloading"))
+    with pytest.raises(ValueError, match="--tokenizer=char.*TIKTOKEN_CACHE_DIR"):
+        prepare_data.main([f"--data_dir={tmp_path}", "--tokenizer=gpt2"])
+
+def test_data_cli_error_is_one_line(tmp_path):
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prepare_data.py")
+    r = subprocess.run([sys.executable, script, "--input=missing.txt"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- train.py: training, resume, logs, comparison
+
+TRAIN_TEXT = "".join(f"{i}: The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs!\n"
+               for i in range(80))  # ~7 KB
+
+
+@pytest.fixture
+def tiny_data(tmp_path):
+    """Flags for a tiny_data model on a tiny_data char dataset in tmp_path; tiny_data(...) adds flags."""
+    prepare_data.prepare(TRAIN_TEXT, str(tmp_path / "data" / "tiny_data"), val_fraction=0.1)
+    base = [f"--data_dir={tmp_path / 'data'}", "--dataset=tiny_data", "--n_layer=2", "--n_embd=32", "--n_head=2",
+            "--block_size=16", "--batch_size=4", "--eval_iters=2", "--eval_interval=4", "--log_interval=2",
+            "--warmup_iters=2", "--device=cpu"]
+    return lambda *flags: base + list(flags)
+
+
+def records(out_dir):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        lines = [json.loads(line) for line in f]  # every line parses
+    assert "config" in lines[0]
+    return [r for r in lines if "iter" in r]
+
+
+def test_train_end_to_end_both_variants(tiny_data, tmp_path):
+    for lime in (False, True):
+        out = str(tmp_path / f"run_{lime}")
+        res = train.main(tiny_data(f"--lime={lime}", "--max_iters=6", f"--out_dir={out}", "--router_lr=5e-3"))
+        assert res["iter"] == 6 and math.isfinite(res["val_loss"])
+        model, ckpt = train.load_checkpoint(out)
+        assert {"model_args", "model", "optimizer", "iter_num", "best_val_loss", "config", "meta",
+                "rng_cpu"} <= set(ckpt)
+        assert ckpt["iter_num"] == 6 and ckpt["model_args"]["lime"] == lime and ckpt["meta"]["tokenizer"] == "char"
+        recs = records(out)
+        assert [r["iter"] for r in recs] == [0, 2, 4, 6]
+        assert [r["iter"] for r in recs if "val_loss" in r] == [0, 4, 6]
+        fpt = model.flops_per_token(16)
+        for r in recs:
+            assert r["tokens"] == r["iter"] * 4 * 16
+            assert r["flops"] == 3 * fpt * r["tokens"]
+        groups = ckpt["optimizer"]["param_groups"]
+        assert len(groups) == (3 if lime else 2)
+        if lime:  # routers follow the schedule scaled to their own peak
+            assert groups[2]["lr"] == pytest.approx(groups[0]["lr"] * 5e-3 / train.PRESETS["cpu"]["learning_rate"])
+
+
+def test_train_resume_is_exact(tiny_data, tmp_path):
+    flags = tiny_data("--lime=True", "--dropout=0.1", "--gradient_accumulation_steps=2", "--lr_decay_iters=8")
+    train.main(flags + ["--max_iters=8", f"--out_dir={tmp_path / 'a'}"])
+    train.main(flags + ["--max_iters=4", f"--out_dir={tmp_path / 'b'}"])
+    with open(tmp_path / "b" / "log.jsonl", "a") as f:  # a record past the checkpoint must be dropped
+        f.write(json.dumps(dict(iter=5, tokens=0, flops=0, train_loss=9.0)) + "\n")
+    train.main([f"--out_dir={tmp_path / 'b'}", "--resume=True", "--max_iters=8", "--device=cpu"])
+    a, b = records(tmp_path / "a"), records(tmp_path / "b")
+    assert [r["iter"] for r in a] == [r["iter"] for r in b] == [0, 2, 4, 6, 8]
+    for ra, rb in zip(a, b):
+        for k in ("train_loss", "val_loss", "lr", "flops"):
+            assert (k in ra) == (k in rb)
+            if k in ra:
+                assert abs(ra[k] - rb[k]) <= 1e-6, (ra, rb)
+
+
+def test_train_batches_depend_only_on_seed_and_iter():
+    data = np.arange(1000, dtype=np.uint16)
+    cfg = dict(seed=1, block_size=8, batch_size=3, gradient_accumulation_steps=2)
+    a, b = train.train_batches(data, cfg, 5), train.train_batches(data, cfg, 5)
+    assert all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(a, b))
+    assert not torch.equal(a[0][0], train.train_batches(data, dict(cfg, seed=2), 5)[0][0])
+    x, y = a[0]
+    assert x.dtype == torch.int64 and x.shape == (3, 8) and torch.equal(x[:, 1:], y[:, :-1])
+    v1, v2 = train.fixed_val_batches(data, 8, 3, 4), train.fixed_val_batches(data, 8, 3, 2)
+    assert len(v1) == 4 and all(torch.equal(p[0], q[0]) for p, q in zip(v1, v2))
+
+
+def test_train_lr_schedule():
+    cfg = dict(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110)
+    assert train.get_lr(0, cfg) == pytest.approx(1 / 11) and train.get_lr(10, cfg) == pytest.approx(1.0)
+    assert train.get_lr(60, cfg) == pytest.approx(0.55) and train.get_lr(110, cfg) == train.get_lr(500, cfg) == 0.1
+
+
+def log(flops, val, train_loss=None):
+    """Hand-made log records: eval points at the given FLOPs (iter = index)."""
+    return [dict(iter=i, tokens=i, flops=f, val_loss=v, train_loss=(train_loss or v) + 0.1)
+            for i, (f, v) in enumerate(zip(flops, val))]
+
+
+def test_train_summary_crossing():
+    base = log([0, 10, 20, 30], [4.0, 3.0, 2.5, 2.0])
+    lime = log([0, 11, 22, 33], [4.0, 2.8, 1.9, 1.8])
+    s = train.summarize([7], [base], [lime])
+    p = s["per_seed"][0]
+    assert p["baseline_val_loss"] == 2.0 and p["lime_val_loss"] == 1.8
+    assert p["lime_flops_to_match"] == pytest.approx(11 + 11 * 0.8 / 0.9)  # linear between (11, 2.8), (22, 1.9)
+    assert p["ratio"] == pytest.approx((11 + 11 * 0.8 / 0.9) / 30)
+    assert "0.69x the baseline's total FLOPs" in "\n".join(train.format_summary(s))
+    never = train.summarize([7], [base], [log([0, 11, 22, 33], [4.0, 3.5, 3.0, 2.5])])
+    assert never["per_seed"][0]["ratio"] is None and never["mean_curve"]["ratio"] is None
+    assert "never" in "\n".join(train.format_summary(never))
+
+
+def test_train_multiseed_aggregation():
+    bases = [log([0, 10, 20], [4.0, 3.0, 2.0]), log([0, 10, 20], [4.2, 3.2, 2.4])]
+    limes = [log([0, 11, 22], [4.0, 2.0, 1.5]), log([0, 11, 22], [4.2, 3.0, 2.5])]
+    flops, mean, lo, hi = train.mean_band(bases, "val_loss")
+    assert list(flops) == [0, 10, 20] and list(mean) == pytest.approx([4.1, 3.1, 2.2])
+    assert list(lo) == [4.0, 3.0, 2.0] and list(hi) == [4.2, 3.2, 2.4]
+    s = train.summarize([1, 2], bases, limes)
+    assert s["baseline"]["val_loss_mean"] == pytest.approx(2.2)
+    assert s["baseline"]["val_loss_std"] == pytest.approx(np.std([2.0, 2.4], ddof=1))
+    assert s["lime"]["val_loss_mean"] == pytest.approx(2.0)
+    assert s["per_seed"][0]["ratio"] == pytest.approx(11 / 20)  # seed 1: 2.0 reached at the 11 point
+    assert s["per_seed"][1]["ratio"] is None  # seed 2: LIMe ends at 2.5 > 2.4
+    # mean curves: LIMe mean (4.1, 2.5, 2.0) reaches 2.2 between 11 and 22: 11 + 11 * 0.3 / 0.5
+    assert s["mean_curve"]["lime_flops_to_match"] == pytest.approx(11 + 11 * 0.3 / 0.5)
+    assert "1: 0.55x, 2: never" in "\n".join(train.format_summary(s))
+
+
+def test_train_plot_from_logs(tmp_path):
+    cfg = dict(train.PRESETS["cpu"], dataset="x", router_lr=1e-2, seed=1)
+    for d, lg in [("baseline", log([0, 10, 20], [4.0, 3.0, 2.0])), ("lime", log([0, 11, 22], [4.0, 2.5, 1.9])),
+                  ("baseline_seed2", log([0, 10, 20], [4.1, 3.1, 2.2])),
+                  ("lime_seed2", log([0, 11, 22], [4.1, 2.4, 2.0]))]:
+        os.makedirs(tmp_path / d)
+        with open(tmp_path / d / "log.jsonl", "w") as f:
+            f.write(json.dumps({"config": dict(cfg, seed=int(d[-1]) if d[-1].isdigit() else 1)}) + "\n")
+            f.writelines(json.dumps(r) + "\n" for r in lg)
+    s = train.main([f"--plot={tmp_path}"])
+    assert s["seeds"] == [1, 2]
+    with open(tmp_path / "loss_vs_flops.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(tmp_path / "loss_vs_flops.png") > 10_000
+    with open(tmp_path / "summary.json") as f:
+        assert json.load(f)["per_seed"][1]["seed"] == 2
+
+
+def test_train_bad_input(tiny_data, tmp_path):
+    with pytest.raises(FileNotFoundError, match="python prepare_data.py --input=YOUR_TEXT.txt --name=nope"):
+        train.main(tiny_data("--dataset=nope", f"--out_dir={tmp_path / 'o'}"))
+    with pytest.raises(ValueError, match="block_size=4096 is too large"):
+        train.main(tiny_data("--block_size=4096", f"--out_dir={tmp_path / 'o'}"))
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train.main(tiny_data("--resume=True", f"--out_dir={tmp_path / 'o'}"))
+    train.main(tiny_data("--max_iters=2", f"--out_dir={tmp_path / 'o'}"))
+    with pytest.raises(ValueError, match="n_layer differs"):
+        train.main(tiny_data("--resume=True", "--n_layer=3", f"--out_dir={tmp_path / 'o'}"))
+    with pytest.raises(ValueError, match="lime differs"):
+        train.main(tiny_data("--resume=True", "--lime=True", f"--out_dir={tmp_path / 'o'}"))
+    with pytest.raises(ValueError, match="--lime"):
+        train.main(tiny_data("--lime=maybe"))
+
+
+def test_train_nan_loss_keeps_last_good_checkpoint(tiny_data, tmp_path, monkeypatch):
+    forward, calls = GPT.forward, [0]
+
+    def nan_after_6_steps(self, idx, targets=None, cache=None):
+        logits, loss = forward(self, idx, targets, cache)
+        if self.training:
+            calls[0] += 1
+            if calls[0] > 6:  # training steps 0..5 are fine, step 6 is NaN
+                loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", nan_after_6_steps)
+    out = str(tmp_path / "nan")
+    with pytest.raises(train.NonFiniteLoss, match="training loss is nan at iteration 6.*iter 4"):
+        train.main(tiny_data("--max_iters=10", f"--out_dir={out}"))
+    assert issubclass(train.NonFiniteLoss, ValueError)  # so __main__ prints one line and exits 1
+    _, ckpt = train.load_checkpoint(out)
+    assert ckpt["iter_num"] == 4 and all(torch.isfinite(t).all() for t in ckpt["model"].values())
+
+
+def test_train_cli_error_is_one_line(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), f"--data_dir={tmp_path}", "--dataset=nope"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no dataset at") and "prepare_data.py" in lines[0]
+
+
+def test_train_compare_two_seeds(tiny_data, tmp_path, monkeypatch):
+    analyzed = []
+    monkeypatch.setattr(train, "run_analyze", lambda out_dir, device="auto": analyzed.append(out_dir))
+    out = str(tmp_path / "cmp")
+    s = train.main(tiny_data("--compare", "--seeds=2", "--max_iters=4", f"--out_dir={out}", "--seed=5"))
+    assert sorted(os.listdir(out)) == ["baseline", "baseline_seed6", "lime", "lime_seed6", "loss_vs_flops.png",
+                                       "summary.json"]
+    assert s["seeds"] == [5, 6] and [p["seed"] for p in s["per_seed"]] == [5, 6] and analyzed == [out]
+    for d, lime, seed in [("baseline", False, 5), ("lime", True, 5),
+                          ("baseline_seed6", False, 6), ("lime_seed6", True, 6)]:
+        _, ckpt = train.load_checkpoint(os.path.join(out, d))
+        assert ckpt["config"]["lime"] == lime and ckpt["config"]["seed"] == seed and ckpt["iter_num"] == 4
+    before = open(os.path.join(out, "lime", "log.jsonl")).read()
+    train.main(tiny_data("--compare", "--seeds=2", "--max_iters=4", f"--out_dir={out}", "--seed=5", "--resume"))
+    assert open(os.path.join(out, "lime", "log.jsonl")).read().split("\n")[1:] == before.split("\n")[1:]
+
+
+# ----------------------------------------------------------------------------- sample.py
+
+SAMPLE_TEXT = "ROMEO: But soft, what light through yonder window breaks?\nJULIET: Ay me!\n" * 20
+
+
+def make_ckpt(out_dir, data_dir, lime=True, block_size=32):
+    """A tiny untrained GPT saved the way train.py saves one, with a char dataset's meta."""
+    meta = prepare(SAMPLE_TEXT, data_dir, tokenizer="char")
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_layer=2, n_head=2, n_embd=16,
+                       multiple_of=16, lime=lime)
+    model = GPT(config)
+    ckpt = dict(model_args=asdict(config), model=model.state_dict(),
+                optimizer=model.configure_optimizers(0.1, 1e-3).state_dict(), iter_num=0, best_val_loss=9.9,
+                config=dict(dataset=os.path.basename(data_dir), data_dir=os.path.dirname(data_dir),
+                            block_size=block_size, batch_size=4, seed=0, lime=lime, eval_iters=2),
+                meta=meta)
+    save_checkpoint(ckpt, out_dir)
+    return meta
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path):
+    out = str(tmp_path / "out")
+    make_ckpt(out, str(tmp_path / "data" / "tiny"))
+    return out
+
+
+def run_main(capsys, *args):
+    sample.main(list(args))
+    out, err = capsys.readouterr()
+    return out.split(sample.SEPARATOR + "\n")[:-1], err  # the samples, then stderr
+
+
+def test_sample_decodes_with_requested_length(ckpt_dir, capsys):
+    samples, err = run_main(capsys, f"--out_dir={ckpt_dir}", "--start=ROMEO:", "--num_samples=3",
+                            "--max_new_tokens=50", "--device=cpu")
+    assert len(samples) == 3
+    for s in samples:
+        s = s[:-1]  # print() added a newline
+        assert s.startswith("ROMEO:") and len(s) == len("ROMEO:") + 50
+        assert set(s) <= set(SAMPLE_TEXT)
+    assert "tokens/s" in err and "tokens/s" not in "".join(samples)  # speed goes to stderr only
+
+
+@pytest.mark.parametrize("lime", [False, True])
+def test_sample_seed_reproducible(tmp_path, capsys, lime):
+    out = str(tmp_path / "out")
+    make_ckpt(out, str(tmp_path / "data" / "tiny"), lime=lime)
+    args = [f"--out_dir={out}", "--start=JULIET:", "--num_samples=2", "--max_new_tokens=40", "--device=cpu"]
+    a, _ = run_main(capsys, *args, "--seed=1")
+    b, _ = run_main(capsys, *args, "--seed=1")
+    c, _ = run_main(capsys, *args, "--seed=2")
+    assert a == b and a != c
+
+
+def test_sample_prompt_from_file_and_long_prompt(ckpt_dir, tmp_path, capsys):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(SAMPLE_TEXT[:100], encoding="utf-8")  # 100 chars > block_size=32
+    samples, err = run_main(capsys, f"--out_dir={ckpt_dir}", f"--start=FILE:{prompt}", "--num_samples=1",
+                            "--max_new_tokens=5", "--device=cpu")
+    assert "keeping the last 32" in err
+    assert samples[0][:-1].startswith(SAMPLE_TEXT[68:100]) and len(samples[0][:-1]) == 32 + 5
+
+
+def test_sample_empty_prompt_starts_from_newline(ckpt_dir, capsys):
+    samples, err = run_main(capsys, f"--out_dir={ckpt_dir}", "--start=", "--num_samples=1",
+                            "--max_new_tokens=5", "--device=cpu")
+    assert "empty prompt: starting from a newline" in err
+    assert samples[0].startswith("\n") and len(samples[0][:-1]) == 1 + 5
+
+
+def test_sample_unknown_characters_named(ckpt_dir):
+    with pytest.raises(ValueError, match="prompt.*'Z'.*'é'"):
+        sample.main([f"--out_dir={ckpt_dir}", "--start=ZéRO", "--device=cpu"])
+
+
+def test_sample_missing_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"ckpt\.pt.*python train\.py"):
+        sample.main([f"--out_dir={tmp_path / 'nothing'}", "--device=cpu"])
+
+
+def test_sample_cli_errors_are_one_line(ckpt_dir, tmp_path):
+    for args, expected in [([f"--out_dir={tmp_path / 'nothing'}"], "ckpt.pt"),
+                           ([f"--out_dir={ckpt_dir}", "--start=Zebra"], "'Z'")]:
+        r = subprocess.run([sys.executable, "sample.py", "--device=cpu", *args], cwd=HERE,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and r.stdout == ""
+        assert r.stderr.startswith("error: ") and expected in r.stderr
+        assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_sample_bpe_tokenizer_and_padded_vocab(capsys):
+    import tiktoken
+    from prepare_data import get_tokenizer
+    ranks = {bytes([i]): i for i in range(256)}  # a byte-level BPE made up here (gpt2's files need a download)
+    ranks[b"sp"], ranks[b"spe"] = 256, 257
+    enc = tiktoken.Encoding(name="tiny", pat_str=r"""\S+|\s+""", mergeable_ranks=ranks, special_tokens={})
+    tok = get_tokenizer({"tokenizer": "tiktoken", "encoding": "tiny"}, encoding=enc)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=320, block_size=16, n_layer=2, n_head=2, n_embd=16, multiple_of=16,
+                          lime=True)).eval()  # vocab padded past the tokenizer's 258
+    ids = sample.encode_prompt(tok, "", 16)
+    assert ids == enc.encode("\n") and "empty prompt: starting from a newline" in capsys.readouterr().err
+    texts, dt = sample.sample(model, tok, sample.encode_prompt(tok, "speak " * 10, 16), num_samples=2,
+                              max_new_tokens=30, seed=0)
+    assert len(texts) == 2 and all(isinstance(t, str) for t in texts) and dt > 0
+    assert "dropped" in capsys.readouterr().err  # ids >= 258 can't be decoded: dropped, and said so
+
+
+# ----------------------------------------------------------------------------- analyze.py: router maps and value entropy
+
+ANALYZE_TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\nAll:\nSpeak, speak.\n" * 30
+
+
+def tiny_gpt(lime, n_layer=3, n_head=2, vocab_size=40, block_size=16):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
+                         n_embd=8 * n_head, multiple_of=16, lime=lime))
+
+
+def orthonormal_rows(n, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Q, _ = torch.linalg.qr(torch.randn(d, n, generator=g, dtype=torch.float64))  # (d, n), orthonormal columns
+    return Q.T                                                                      # (n, d)
+
+
+@pytest.mark.parametrize("n, d, pad", [(1, 8, 0), (3, 8, 0), (8, 8, 0), (5, 16, 20)])
+def test_analyze_entropy_of_orthonormal_rows_is_log_n(n, d, pad):
+    Z = torch.cat([orthonormal_rows(n, d), torch.zeros(pad, d, dtype=torch.float64)])  # pad: T > d path
+    assert float(renyi_entropy(Z)) == pytest.approx(math.log(n), abs=1e-9)
+    assert float(renyi_entropy(Z, alpha=2.0)) == pytest.approx(math.log(n), abs=1e-9)  # flat spectrum: any alpha
+
+
+def test_analyze_entropy_rank_one_is_zero():
+    Z = torch.outer(torch.randn(12, dtype=torch.float64), torch.randn(7, dtype=torch.float64))
+    assert abs(float(renyi_entropy(Z))) < 1e-9
+
+
+def test_analyze_entropy_row_order_and_batching():
+    Z = torch.randn(3, 20, 8, dtype=torch.float64)
+    H = renyi_entropy(Z)
+    assert H.shape == (3,)
+    for b in range(3):
+        assert float(renyi_entropy(Z[b][torch.randperm(20)])) == pytest.approx(float(H[b]), abs=1e-10)
+        assert 0 < float(H[b]) < math.log(8)
+    with pytest.raises(ValueError, match="all zeros"):
+        renyi_entropy(torch.zeros(4, 4))
+
+
+def test_analyze_standardize_over_batch():
+    V = torch.randn(4, 10, 6) * torch.arange(1, 7) + 3
+    V[..., 0] = 5.0                                  # a constant feature becomes 0, not nan
+    Z = standardize(V)
+    assert torch.allclose(Z.mean((0, 1)), torch.zeros(6, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(Z[..., 1:].std((0, 1), correction=0), torch.ones(5, dtype=torch.float64))
+    assert (Z[..., 0] == 0).all()
+
+
+def test_analyze_router_shares():
+    model = tiny_gpt(lime=True, n_layer=4, n_head=3)
+    S = router_shares(model)
+    assert S.shape == (4, 4)
+    assert torch.allclose(torch.tensor(S.sum(1)), torch.ones(4, dtype=torch.float64))
+    assert (S >= 0).all() and (S[torch.triu_indices(4, 4, 1).unbind()] == 0).all()
+    with torch.no_grad():                            # [0 ... 0 | I]: every layer reads only itself
+        for block in model.transformer.h[1:]:
+            W = block.attn.router
+            W.zero_()
+            W[:, -3:] = torch.eye(3)
+    assert (router_shares(model) == torch.eye(4).numpy()).all()
+    with pytest.raises(ValueError, match="baseline"):
+        router_shares(tiny_gpt(lime=False))
+
+
+def test_analyze_router_shares_by_hand():
+    W1 = torch.tensor([[1.0, 0.0, 1.0, 0.0],       # head 0: half from layer 0, half from itself
+                       [0.0, 2.0, 0.0, 0.0]])      # head 1: all from layer 0
+    assert head_shares(W1).tolist() == [[0.5, 0.5], [1.0, 0.0]]
+    assert router_shares([None, W1]).tolist() == [[1.0, 0.0], [0.75, 0.25]]
+
+
+def make_run(out_dir, data_dir, lime):
+    """A tiny untrained GPT saved the way train.py saves one (no training needed for the figures)."""
+    meta = prepare(ANALYZE_TEXT, data_dir, tokenizer="char") if not os.path.exists(data_dir) else \
+        json.load(open(os.path.join(data_dir, "meta.json")))
+    model = tiny_gpt(lime, vocab_size=meta["vocab_size"])
+    ckpt = dict(model_args=asdict(model.config), model=model.state_dict(),
+                optimizer=model.configure_optimizers(0.1, 1e-3).state_dict(), iter_num=0, best_val_loss=3.5,
+                config=dict(dataset=os.path.basename(data_dir), data_dir=os.path.dirname(data_dir),
+                            block_size=16, batch_size=4, seed=0, lime=lime, eval_iters=3),
+                meta=meta)
+    save_checkpoint(ckpt, out_dir)
+
+
+def test_analyze_compare_writes_figures(tmp_path, capsys):
+    out, data = tmp_path / "out", str(tmp_path / "data" / "tiny")
+    make_run(str(out / "baseline"), data, lime=False)
+    make_run(str(out / "lime"), data, lime=True)
+    result = analyze.analyze_compare(str(out))
+    printed = capsys.readouterr().out.splitlines()
+    for name in ["router_map.png", "router_heads.png", "value_entropy.png"]:
+        with open(out / name, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        assert sum(name in line for line in printed) == 1
+    assert len(printed) == 3
+    saved = json.load(open(out / "analysis.json"))
+    assert saved["router"]["heads_layer"] == 2 and len(saved["router"]["shares"]) == 3
+    for run in ["baseline", "lime"]:
+        ent = result["value_entropy"]["per_layer"][run]
+        assert len(ent) == 3 and all(0 < e <= math.log(16) + 1e-9 for e in ent)
+    assert saved["runs"]["lime"]["sequences"] == 12  # eval_iters=3 fixed val batches of 4
+    single = analyze.analyze_compare(str(out / "lime"))  # a single (non --compare) run folder works too
+    assert single["router"]["shares"] == saved["router"]["shares"] and os.path.getsize(out / "lime" / "router_map.png")
+
+
+def test_analyze_cli_error_is_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "analyze.py", str(tmp_path)], cwd=HERE, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and "python train.py --compare" in r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0

@@ -1,0 +1,299 @@
+"""
+Turn a text corpus into data/<name>/{train.bin, val.bin, meta.json} for train.py.
+
+    python prepare_data.py                                  # tiny Shakespeare, char-level -> data/quickstart/
+    python prepare_data.py --input=my.txt                   # your own UTF-8 text -> data/my/
+    python prepare_data.py --input a.txt b.txt --name=ab    # several files, concatenated (or --input=a.txt --input=b.txt)
+    python prepare_data.py --input=my.txt --tokenizer=gpt2  # GPT-2 BPE via tiktoken (needs its files once)
+
+With no network the default falls back to a corpus every Python ships with: the reference docs
+in pydoc_data.topics (~465 KB of English prose), so the quick start works offline.
+
+train.bin / val.bin are flat little-endian token ids (uint16 if the vocab fits, else uint32);
+val is the last --val_fraction of the tokens. meta.json holds everything needed to decode them
+(no pickle). train.py and sample.py use load_meta() and get_tokenizer() from here.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import urllib.request
+import uuid
+
+import numpy as np
+
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+GPT2_URLS = ["https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+             "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json"]
+
+# -----------------------------------------------------------------------------
+# tokenizers: everything is rebuilt from meta.json alone
+
+class CharTokenizer:
+    def __init__(self, chars):
+        self.itos = list(chars)
+        self.stoi = {c: i for i, c in enumerate(self.itos)}
+        self.vocab_size = len(self.itos)
+
+    def encode(self, text):
+        missing = [c for c in dict.fromkeys(text) if c not in self.stoi]  # unique, in order of appearance
+        if missing:
+            raise ValueError(f"text has characters not in the vocabulary: {', '.join(map(repr, missing))}")
+        return [self.stoi[c] for c in text]
+
+    def decode(self, ids):
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of range for a vocab of {self.vocab_size}: {bad[:5]}")
+        return "".join(self.itos[i] for i in ids)
+
+class TiktokenTokenizer:
+    def __init__(self, enc):
+        self.enc = enc
+        self.vocab_size = enc.n_vocab
+
+    def encode(self, text):
+        return self.enc.encode_ordinary(text)  # ordinary: "<|endoftext|>" in text is just text
+
+    def decode(self, ids):
+        return self.enc.decode([int(i) for i in ids])
+
+def load_gpt2():
+    """tiktoken's GPT-2 encoding, failing fast (ValueError) when its BPE files can't be had."""
+    import tiktoken
+    # tiktoken downloads with requests and no timeout, which can hang for minutes on a network
+    # that drops packets. So: if its cache doesn't hold the files, first see whether the server
+    # answers at all (3 s, DNS included; the probe runs in a thread because DNS ignores timeouts)
+    cache = os.environ.get("TIKTOKEN_CACHE_DIR", os.environ.get("DATA_GYM_CACHE_DIR",
+                           os.path.join(tempfile.gettempdir(), "data-gym-cache")))
+    cached = cache != "" and all(os.path.exists(os.path.join(cache, hashlib.sha1(u.encode()).hexdigest()))
+                                 for u in GPT2_URLS)
+    reached = []
+    def probe():
+        try:
+            socket.create_connection(("openaipublic.blob.core.windows.net", 443), timeout=3).close()
+            reached.append(True)
+        except OSError:
+            pass
+    if not cached:
+        t = threading.Thread(target=probe, daemon=True)
+        t.start()
+        t.join(3.5)
+    try:
+        if not cached and not reached:
+            raise OSError("not cached, and no connection to openaipublic.blob.core.windows.net")
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:
+        why = " ".join(f"{type(e).__name__}: {e}".split())[:120]
+        raise ValueError(f"tiktoken could not load the gpt2 encoding, whose files it downloads once ({why}). "
+                         f"Use --tokenizer=char, or set TIKTOKEN_CACHE_DIR to a folder that holds them") from None
+
+def get_tokenizer(meta, encoding=None):
+    """An object with .encode(str) -> list[int], .decode(ids) -> str, .vocab_size, built from meta."""
+    if meta["tokenizer"] == "char":
+        return CharTokenizer(meta["chars"])
+    if encoding is not None:
+        if encoding.name != meta.get("encoding"):
+            raise ValueError(f"dataset was made with encoding {meta.get('encoding')!r}, not {encoding.name!r}")
+        return TiktokenTokenizer(encoding)
+    if meta["tokenizer"] == "gpt2":
+        return TiktokenTokenizer(load_gpt2())
+    raise ValueError(f"dataset uses the custom tiktoken encoding {meta.get('encoding')!r}: pass it as encoding=")
+
+# -----------------------------------------------------------------------------
+# corpus -> tokens -> files
+
+def _write_bin(path, ids, dtype):
+    np.asarray(ids).astype(np.dtype(dtype).newbyteorder("<")).tofile(path)
+
+def prepare(text, out_dir, tokenizer="char", val_fraction=0.1, source="text", encoding=None):
+    """Tokenize text, write out_dir/{train.bin,val.bin,meta.json} atomically, return meta."""
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
+    if not text:
+        raise ValueError("no text to prepare (empty corpus)")
+    meta = {"tokenizer": tokenizer, "source": source, "n_chars": len(text)}
+    if tokenizer == "char":
+        # vocab = sorted set of characters; sorting code points is what sorted(set(text)) does
+        cps = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        vocab = np.unique(cps)
+        ids = np.searchsorted(vocab, cps)
+        meta["chars"] = [chr(c) for c in vocab]
+        meta["vocab_size"] = len(vocab)
+    elif tokenizer in ("gpt2", "tiktoken"):
+        enc = encoding if encoding is not None else load_gpt2()
+        ids = np.array(enc.encode_ordinary(text), dtype=np.int64)
+        meta["tokenizer"] = "gpt2" if enc.name == "gpt2" else "tiktoken"  # "tiktoken": test-made encodings
+        meta["encoding"] = enc.name
+        meta["vocab_size"] = enc.n_vocab
+    else:
+        raise ValueError(f"unknown tokenizer {tokenizer!r} (char or gpt2)")
+    meta["dtype"] = "uint16" if meta["vocab_size"] <= 2**16 else "uint32"
+    n_val = int(round(len(ids) * val_fraction))
+    n_train = len(ids) - n_val
+    if n_train < 2 or n_val < 2:
+        raise ValueError(f"corpus too small: {len(ids)} tokens split into {n_train} train / {n_val} val "
+                         f"(need at least 2 each); give it more text")
+    meta["train_tokens"], meta["val_tokens"] = n_train, n_val
+
+    # write into a temp folder next to the target, meta.json last, then swap it in. A crash at any
+    # point leaves either the old dataset or a temp folder load_meta never looks at.
+    out_dir = os.path.normpath(out_dir)
+    name, parent = os.path.basename(out_dir), os.path.dirname(out_dir) or "."
+    if os.path.exists(out_dir) and not (os.path.isdir(out_dir) and
+                                        set(os.listdir(out_dir)) <= {"train.bin", "val.bin", "meta.json"}):
+        raise ValueError(f"{out_dir} exists and holds more than a dataset; won't replace it")
+    os.makedirs(parent, exist_ok=True)
+    tmp, old = [os.path.join(parent, f".{name}.{k}-{uuid.uuid4().hex[:8]}") for k in ("tmp", "old")]
+    os.makedirs(tmp)
+    try:
+        _write_bin(os.path.join(tmp, "train.bin"), ids[:n_train], meta["dtype"])
+        _write_bin(os.path.join(tmp, "val.bin"), ids[n_train:], meta["dtype"])
+        with open(os.path.join(tmp, "meta.json"), "w") as f:  # one key per line, "chars" last
+            f.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in
+                                        sorted(meta.items(), key=lambda kv: kv[0] == "chars")) + "\n}\n")
+        if os.path.exists(out_dir):  # no atomic dir-over-dir rename on POSIX: move the old one aside
+            os.rename(out_dir, old)
+            try:
+                os.rename(tmp, out_dir)
+            except BaseException:
+                os.rename(old, out_dir)  # put the old one back
+                raise
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already if the rename happened
+    return meta
+
+# -----------------------------------------------------------------------------
+# reading datasets back (train.py, sample.py)
+
+def _prepare_cmd(data_dir):
+    """The exact command that (re)creates the dataset at data_dir."""
+    data_dir = os.path.normpath(data_dir)
+    name, parent = os.path.basename(data_dir), os.path.dirname(data_dir)
+    cmd = "python prepare_data.py" if name == "quickstart" else \
+          f"python prepare_data.py --input=YOUR_TEXT.txt --name={shlex.quote(name)}"
+    return cmd if parent == "data" else f"{cmd} --data_dir={shlex.quote(parent or '.')}"
+
+def load_meta(data_dir):
+    """meta.json of a complete, consistent dataset; FileNotFoundError / ValueError otherwise."""
+    cmd = _prepare_cmd(data_dir)
+    for f in ["", "meta.json", "train.bin", "val.bin"]:
+        if not os.path.exists(os.path.join(data_dir, f)):
+            what = f"no dataset at {data_dir}" if f == "" else f"dataset {data_dir} is incomplete (no {f})"
+            raise FileNotFoundError(f"{what}; prepare it with: {cmd}")
+    try:
+        with open(os.path.join(data_dir, "meta.json")) as f:
+            meta = json.load(f)
+        itemsize = {"uint16": 2, "uint32": 4}[meta["dtype"]]
+        V = meta["vocab_size"]
+        if not (meta["tokenizer"] in ("char", "gpt2", "tiktoken") and isinstance(V, int) and 1 <= V <= 2**(8*itemsize)
+                and (meta["tokenizer"] != "char" or len(meta["chars"]) == V)):
+            raise ValueError("tokenizer/vocab_size/dtype/chars don't add up")
+        counts = {s: meta[f"{s}_tokens"] for s in ("train", "val")}
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{data_dir}/meta.json is malformed ({e!r}); re-run: {cmd}") from None
+    for split, n in counts.items():
+        size = os.path.getsize(os.path.join(data_dir, f"{split}.bin"))
+        if not isinstance(n, int) or size != n * itemsize:
+            raise ValueError(f"{data_dir}/{split}.bin has {size} bytes, meta.json says {n} tokens x "
+                             f"{itemsize} bytes; re-run: {cmd}")
+    return meta
+
+def load_tokens(data_dir, split, meta=None):
+    """Read-only memmap of train.bin or val.bin."""
+    meta = meta or load_meta(data_dir)
+    return np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=np.dtype(meta["dtype"]).newbyteorder("<"), mode="r")
+
+# -----------------------------------------------------------------------------
+# where the text comes from
+
+def download(url, timeout=5):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode("utf-8")
+
+def quickstart_text(data_dir):
+    """(text, source): tiny Shakespeare (downloaded once, cached in data_dir), else pydoc's docs."""
+    cache = os.path.join(data_dir, "tinyshakespeare.txt")
+    source = "tiny Shakespeare (karpathy/char-rnn data/tinyshakespeare/input.txt)"
+    if os.path.exists(cache):
+        with open(cache, encoding="utf-8") as f:
+            return f.read(), source
+    try:
+        text = download(SHAKESPEARE_URL)
+        if not text.startswith("First Citizen:"):  # e.g. a captive portal's login page
+            raise ValueError("unexpected content")
+    except Exception as e:
+        import pydoc_data.topics
+        print(f"could not download tiny Shakespeare ({type(e).__name__}: {e}); using Python's reference docs "
+              f"(pydoc_data.topics) instead. Your own text: python prepare_data.py --input=YOUR_TEXT.txt")
+        topics = pydoc_data.topics.topics
+        return "".join(topics[k] for k in sorted(topics)), f"pydoc_data.topics (Python {sys.version.split()[0]})"
+    try:  # keep a copy so the next run needs no network; not having one is fine too
+        os.makedirs(data_dir, exist_ok=True)
+        with open(cache + ".tmp", "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(cache + ".tmp", cache)
+    except OSError:
+        pass
+    return text, source
+
+def read_inputs(paths):
+    """Concatenated UTF-8 text of the files, with errors that name the file (and byte offset)."""
+    parts = []
+    for p in paths:
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"input file not found: {p}")
+        with open(p, "rb") as f:
+            raw = f.read()
+        try:
+            parts.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{p} is not valid UTF-8: {e.reason} at byte offset {e.start}") from None
+    text = "".join(parts)
+    if not text:
+        raise ValueError(f"no text in {', '.join(paths)} (empty)")
+    return text
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="corpus -> data/<name>/{train.bin,val.bin,meta.json}")
+    parser.add_argument("--input", nargs="+", action="extend", metavar="FILE",
+                        help="UTF-8 text file(s), concatenated (default: tiny Shakespeare)")
+    parser.add_argument("--name", help="dataset folder name (default: quickstart, or the first input's stem)")
+    parser.add_argument("--data_dir", default="data", help="root folder of the datasets")
+    parser.add_argument("--tokenizer", default="char", choices=["char", "gpt2"])
+    parser.add_argument("--val_fraction", type=float, default=0.1, help="last fraction of the tokens used for validation")
+    args = parser.parse_args(argv)
+    name = args.name or (os.path.splitext(os.path.basename(args.input[0]))[0] if args.input else "quickstart")
+    if not name or name.startswith(".") or "/" in name or os.sep in name:
+        raise ValueError(f"bad dataset name {name!r}: use a plain folder name, see --name")
+    if not 0 < args.val_fraction < 1:
+        raise ValueError(f"--val_fraction must be between 0 and 1, got {args.val_fraction}")
+    encoding = load_gpt2() if args.tokenizer == "gpt2" else None  # fail fast, before any download
+
+    if args.input:
+        text, source = read_inputs(args.input), "files: " + ", ".join(args.input)
+    else:
+        text, source = quickstart_text(args.data_dir)
+    out_dir = os.path.join(args.data_dir, name)
+    meta = prepare(text, out_dir, args.tokenizer, args.val_fraction, source, encoding)
+    print(f"{out_dir}: {source} | {meta['n_chars']:,} chars | vocab {meta['vocab_size']:,} ({meta['tokenizer']}) | "
+          f"train {meta['train_tokens']:,} / val {meta['val_tokens']:,} tokens ({meta['dtype']})")
+    return meta
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

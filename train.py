@@ -1,0 +1,673 @@
+"""
+Train a GPT with or without LIMe, or both on identical data, and compare loss against training FLOPs.
+
+    python prepare_data.py                         # once: makes data/quickstart
+    python train.py --compare                      # baseline, then LIMe: ~4 min on 2 CPU cores -> out-compare/
+    python train.py --lime=True --out_dir=out-lime # one variant
+    python train.py --compare --seeds=3            # 3 seeds per variant: mean curves with min-max bands
+    python train.py --compare --preset=gpu         # bigger model for one GPU; --preset=deep: 24 narrow layers
+    python train.py --plot out-compare             # redraw the figure and summary from the logs
+    python train.py --out_dir=out --resume=True    # continue a run exactly where it stopped
+
+Flags are nanoGPT's, written --key=value. A preset (cpu, the default; gpu; deep) sets the model size and
+schedule; flags given explicitly override it. Training FLOPs = 3 x model.flops_per_token(block_size) x tokens
+seen (2 FLOPs per multiply-add, attention over the full T x T square, see lime.py).
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+
+import numpy as np
+import torch
+
+from lime import GPT, GPTConfig
+from prepare_data import load_meta, load_tokens
+
+# -----------------------------------------------------------------------------------------------------
+# config: nanoGPT flag names; None = filled in by the preset or derived (see resolve)
+
+FLAGS = [  # name, type, default, help
+    ("out_dir", str, None, "run folder (default: out, or out-compare with --compare)"),
+    ("data_dir", str, "data", "folder holding the datasets"),
+    ("dataset", str, "quickstart", "dataset folder under data_dir, made by prepare_data.py"),
+    ("batch_size", int, None, "sequences per micro-batch"),
+    ("block_size", int, None, "tokens per sequence"),
+    ("n_layer", int, None, "transformer blocks"),
+    ("n_head", int, None, "attention heads per layer"),
+    ("n_embd", int, None, "model width"),
+    ("dropout", float, 0.0, "dropout rate"),
+    ("lime", bool, False, "True: LIMe (mix keys/values of all earlier layers); False: baseline"),
+    ("max_iters", int, None, "optimizer steps"),
+    ("eval_interval", int, None, "evaluate (and checkpoint) every this many steps, and at the end"),
+    ("eval_iters", int, None, "fixed validation batches per evaluation"),
+    ("log_interval", int, None, "one log line every this many steps"),
+    ("learning_rate", float, None, "peak learning rate"),
+    ("router_lr", float, 1e-2, "peak learning rate of the LIMe routers (no weight decay on them)"),
+    ("weight_decay", float, 0.1, "AdamW weight decay of the matrices"),
+    ("beta1", float, 0.9, "AdamW beta1"),
+    ("beta2", float, 0.95, "AdamW beta2"),
+    ("warmup_iters", int, None, "linear warmup steps"),
+    ("lr_decay_iters", int, None, "cosine decay ends here (default: max_iters)"),
+    ("min_lr", float, None, "lr at the end of the decay (default: learning_rate / 10)"),
+    ("grad_clip", float, 1.0, "clip the gradient norm to this (0 = off)"),
+    ("gradient_accumulation_steps", int, 1, "micro-batches per optimizer step"),
+    ("device", str, "auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps"),
+    ("dtype", str, "auto", "auto (bfloat16 on CUDA if supported, else float16; float32 elsewhere), "
+                           "float32, bfloat16, float16"),
+    ("compile", bool, False, "torch.compile the model"),
+    ("seed", int, 1337, "seed of the initial weights and of the data order"),
+    ("resume", bool, False, "continue the run in out_dir from its checkpoint"),
+    ("compare", bool, False, "train baseline and LIMe into out_dir/{baseline,lime}, then plot and summarize"),
+    ("seeds", int, 1, "with --compare: train each variant with seeds seed, seed+1, ..."),
+    ("plot", str, None, "DIR: redraw DIR/loss_vs_flops.png and DIR/summary.json from the logs, no training"),
+    ("analyze", str, None, "DIR: run analyze.analyze_compare on a --compare folder, no training"),
+    ("preset", str, "cpu", "cpu | gpu | deep, see PRESETS"),
+]
+PRESETS = {
+    # quick start: both variants in about 4 min on 2 quiet CPU cores (measured: ~160 ms/iter baseline, ~210 LIMe)
+    "cpu": dict(n_layer=6, n_head=4, n_embd=128, block_size=128, batch_size=16, max_iters=600,
+                eval_interval=50, eval_iters=10, log_interval=10, warmup_iters=30, learning_rate=2e-3),
+    # one modern GPU, bf16: 39M params (char vocab), 16k tokens/step, 2.2e16 training FLOPs per variant (3.5e16 with
+    # the GPT-2 vocab). Estimated, not measured: at 30% MFU ~4 min per variant on an A100, ~1.5 min on an H100;
+    # eager LIMe at lower MFU takes longer. The quickstart data is far too small for it (~200 epochs: it overfits).
+    "gpu": dict(n_layer=12, n_head=8, n_embd=512, block_size=512, batch_size=32, max_iters=5000,
+                eval_interval=250, eval_iters=40, log_interval=50, warmup_iters=200, learning_rate=1e-3),
+    # deep and narrow, where the mix is the largest share of the work (the shape bench.py measures).
+    # On 2 CPU cores: ~530 ms/iter baseline, ~920 LIMe, so a --compare takes ~25 min
+    "deep": dict(n_layer=24, n_head=4, n_embd=64, block_size=128, batch_size=32, max_iters=1000,
+                 eval_interval=100, eval_iters=10, log_interval=20, warmup_iters=50, learning_rate=2e-3),
+}
+# taken from the command line even on --resume (how to run, not what to train)
+RUNTIME = {"out_dir", "device", "dtype", "compile", "resume", "compare", "seeds", "plot", "analyze", "preset"}
+# on --resume these must match the checkpoint if given explicitly: the run would no longer be the same run
+RESUME_FIXED = ["dataset", "n_layer", "n_head", "n_embd", "block_size", "lime", "seed", "batch_size",
+                "gradient_accumulation_steps"]
+
+
+MIN_VALUES = dict(batch_size=1, block_size=1, n_layer=1, n_head=1, n_embd=1, eval_interval=1, eval_iters=1,
+                  log_interval=1, gradient_accumulation_steps=1, seeds=1, max_iters=0, warmup_iters=0,
+                  lr_decay_iters=0, min_lr=0, grad_clip=0, weight_decay=0, router_lr=0)
+
+
+def str2bool(s):
+    if s.lower() in ("true", "1", "yes"):
+        return True
+    if s.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, got {s!r}")
+
+
+class ArgParser(argparse.ArgumentParser):
+    def error(self, message):  # one line "error: ..." from __main__ instead of usage + exit 2
+        raise ValueError(f"{message} (see python train.py --help)")
+
+
+def get_config(argv=None):
+    """-> (config dict with every flag, set of flags given explicitly). Preset values count as explicit
+    when --preset itself is given."""
+    parser = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       allow_abbrev=False)
+    for name, typ, default, help in FLAGS:
+        default = PRESETS["cpu"].get(name, default)
+        help += "" if default is None else f" [{default}]"
+        if typ is bool:  # --compare alone means --compare=True
+            parser.add_argument(f"--{name}", type=str2bool, nargs="?", const=True, help=help)
+        else:
+            parser.add_argument(f"--{name}", type=typ, help=help)
+    args = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+    preset = args.get("preset", "cpu")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown --preset={preset}; choose one of {', '.join(PRESETS)}")
+    explicit = set(args) | (set(PRESETS[preset]) if "preset" in args else set())
+    return {**{name: default for name, _, default, _ in FLAGS}, **PRESETS[preset], **args}, explicit
+
+
+def resolve(cfg):
+    """Fill in the derived defaults and check the numbers; returns a new dict."""
+    cfg = dict(cfg)
+    cfg["out_dir"] = cfg["out_dir"] or ("out-compare" if cfg["compare"] else "out")
+    cfg["lr_decay_iters"] = cfg["max_iters"] if cfg["lr_decay_iters"] is None else cfg["lr_decay_iters"]
+    cfg["min_lr"] = cfg["learning_rate"] / 10 if cfg["min_lr"] is None else cfg["min_lr"]
+    for k, lo in MIN_VALUES.items():
+        if cfg[k] < lo:
+            raise ValueError(f"--{k} must be at least {lo}, got {cfg[k]}")
+    if not (cfg["learning_rate"] > 0 and 0 <= cfg["dropout"] < 1):
+        raise ValueError(f"need --learning_rate > 0 and 0 <= --dropout < 1, "
+                         f"got {cfg['learning_rate']} and {cfg['dropout']}")
+    return cfg
+
+
+# -----------------------------------------------------------------------------------------------------
+# data: memmapped token files; batches are a pure function of (seed, iteration)
+
+def sample_batch(data, block_size, batch_size, rng):
+    """(x, y): int64 CPU tensors of shape (batch_size, block_size) at random offsets; y is x shifted by one."""
+    ix = rng.integers(0, len(data) - block_size, size=batch_size)
+    chunk = torch.from_numpy(data[ix[:, None] + np.arange(block_size + 1)].astype(np.int64))  # (B, T+1)
+    return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+
+def train_batches(data, cfg, it):
+    """The gradient_accumulation_steps micro-batches of step `it`. A function of (seed, it) alone, so the
+    baseline and LIMe see identical batches and a resumed run needs no data RNG state."""
+    rng = np.random.default_rng([cfg["seed"], it])
+    return [sample_batch(data, cfg["block_size"], cfg["batch_size"], rng)
+            for _ in range(cfg["gradient_accumulation_steps"])]
+
+
+def fixed_val_batches(data, block_size, batch_size, n_batches, seed=0):
+    """n_batches (x, y) pairs of int64 CPU tensors, each (batch_size, block_size), drawn from data (the val
+    memmap or any 1-D int array) with np.random.default_rng(seed). Independent of the training seed, so
+    every run on the same data, block size and batch size is evaluated on exactly the same tokens (and the
+    first n batches are the same whatever n_batches is)."""
+    rng = np.random.default_rng(seed)
+    return [sample_batch(data, block_size, batch_size, rng) for _ in range(n_batches)]
+
+
+def open_dataset(cfg):
+    """-> (meta, train memmap, val memmap), with errors that say how to fix them."""
+    path = os.path.join(cfg["data_dir"], cfg["dataset"])
+    meta = load_meta(path)  # FileNotFoundError with the prepare_data.py command that makes it
+    splits = [load_tokens(path, s, meta) for s in ("train", "val")]
+    for split, data in zip(("train", "val"), splits):
+        if len(data) <= cfg["block_size"]:
+            raise ValueError(f"block_size={cfg['block_size']} is too large for {path}: its {split} split has only "
+                             f"{len(data)} tokens (needs block_size + 1); use a smaller --block_size or more text")
+    return meta, *splits
+
+
+# -----------------------------------------------------------------------------------------------------
+# training
+
+def get_lr(it, cfg):
+    """Linear warmup to learning_rate, cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    lr, min_lr, warmup, decay = cfg["learning_rate"], cfg["min_lr"], cfg["warmup_iters"], cfg["lr_decay_iters"]
+    if it < warmup:
+        return lr * (it + 1) / (warmup + 1)
+    if it >= decay:
+        return min_lr
+    ratio = (it - warmup) / (decay - warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
+
+
+GPU_PEAK_FLOPS = [  # dense bf16 tensor-core peak by device name, first match wins (for MFU; none for CPUs)
+    ("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("L40S", 362e12),
+    ("L4", 121e12), ("4090", 165e12)]
+
+
+def setup_device(device, dtype):
+    """-> (device, device_type, dtype name, autocast context, peak FLOP/s or None)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    device_type = device.split(":")[0]
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device={device} but torch sees no CUDA GPU; use --device=cpu")
+    if device_type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device={device} but MPS is not available; use --device=cpu")
+    if dtype == "auto":
+        dtype = "float32" if device_type != "cuda" else "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"unknown --dtype={dtype}; use float32, bfloat16 or float16")
+    peak = None
+    if device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        name = torch.cuda.get_device_name(device)
+        peak = next((p for key, p in GPU_PEAK_FLOPS if key in name), None) if dtype != "float32" else None
+    ctx = nullcontext() if dtype == "float32" else torch.autocast(device_type, dtype=getattr(torch, dtype))
+    return device, device_type, dtype, ctx, peak
+
+
+@torch.no_grad()
+def evaluate(model, batches, ctx, device):
+    """Mean loss over the fixed validation batches (all the same size, so this is the per-token mean)."""
+    model.eval()
+    losses = []
+    for x, y in batches:
+        with ctx:
+            losses.append(model(x.to(device), y.to(device))[1].float())
+    model.train()
+    return torch.stack(losses).mean().item()
+
+
+def resume_config(ckpt, cfg, explicit, path):
+    """The checkpoint's config, with runtime flags and explicitly given flags from cfg. Raises ValueError
+    naming the field if an explicit flag contradicts the checkpoint."""
+    for k in RESUME_FIXED:
+        if k in explicit and cfg[k] != ckpt["config"][k]:
+            raise ValueError(f"can't resume from {path}: {k} differs (checkpoint has {ckpt['config'][k]!r}, "
+                             f"--{k}={cfg[k]!r}); drop --{k}, or train into a new --out_dir")
+    return {**ckpt["config"], **{k: v for k, v in cfg.items() if k in RUNTIME or k in explicit}}
+
+
+class NonFiniteLoss(ValueError):
+    pass
+
+
+def fmt_time(s):
+    return f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+def train(cfg, explicit=()):
+    """Train one model as cfg (get_config's dict) says, logging to out_dir/log.jsonl and checkpointing to
+    out_dir/ckpt.pt at every evaluation. Returns {"out_dir", "iter", "val_loss", "flops"} of the end."""
+    cfg = resolve(cfg)
+    out_dir, ckpt = cfg["out_dir"], None
+    ckpt_path, log_path = os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "log.jsonl")
+    if cfg["resume"]:
+        if not os.path.exists(ckpt_path):
+            hint = (f"for a comparison: python train.py --compare --resume=True --out_dir={out_dir}"
+                    if os.path.isdir(os.path.join(out_dir, "baseline")) else "drop --resume to start a new run")
+            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}; {hint}")
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        cfg = resolve(resume_config(ckpt, cfg, explicit, ckpt_path))
+    meta, train_data, val_data = open_dataset(cfg)
+    device, device_type, dtype, ctx, peak = setup_device(cfg["device"], cfg["dtype"])
+
+    torch.manual_seed(cfg["seed"])  # right before the model: same non-router init with and without LIMe
+    model_args = asdict(GPTConfig(vocab_size=meta["vocab_size"], block_size=cfg["block_size"],
+                                  n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"],
+                                  dropout=cfg["dropout"], lime=cfg["lime"]))
+    if ckpt is not None:
+        for k, v in ckpt["model_args"].items():
+            if k != "dropout" and model_args[k] != v:  # e.g. the dataset was re-prepared with another vocab
+                raise ValueError(f"can't resume from {ckpt_path}: model {k} differs (checkpoint has {v!r}, "
+                                 f"now {model_args[k]!r})")
+    raw_model = GPT(GPTConfig(**model_args)).to(device)
+    optimizer = raw_model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"],
+                                               (cfg["beta1"], cfg["beta2"]), cfg["router_lr"], device_type)
+    scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
+    iter_num, best_val, last_saved = 0, math.inf, None
+    if ckpt is not None:
+        raw_model.load_state_dict(ckpt["model"])
+        peaks = [(g["peak_lr"], g["weight_decay"]) for g in optimizer.param_groups]
+        optimizer.load_state_dict(ckpt["optimizer"])
+        for g, (peak_lr, wd) in zip(optimizer.param_groups, peaks):  # flags given now win
+            g["peak_lr"], g["weight_decay"] = peak_lr, wd
+        if "scaler" in ckpt:
+            scaler.load_state_dict(ckpt["scaler"])
+        torch.set_rng_state(ckpt["rng_cpu"])
+        if device_type == "cuda" and ckpt["rng_cuda"]:
+            torch.cuda.set_rng_state_all(ckpt["rng_cuda"])
+        iter_num, best_val, last_saved = ckpt["iter_num"], ckpt["best_val_loss"], ckpt["iter_num"]
+    model = torch.compile(raw_model) if cfg["compile"] else raw_model
+
+    T, B, accum, max_iters = cfg["block_size"], cfg["batch_size"], cfg["gradient_accumulation_steps"], cfg["max_iters"]
+    tokens_per_iter = B * T * accum
+    flops_per_iter = 3 * raw_model.flops_per_token(T) * tokens_per_iter  # training = 3 x forward
+    val_batches = fixed_val_batches(val_data, T, B, cfg["eval_iters"])
+    name = "LIMe" if cfg["lime"] else "baseline"
+    print(f"{name}: {raw_model.get_num_params() / 1e6:.2f}M params | {flops_per_iter / tokens_per_iter / 1e6:.2f} "
+          f"MFLOPs/token (train) | {tokens_per_iter:,} tokens/iter | {device} {dtype} | "
+          f"{cfg['data_dir']}/{cfg['dataset']} -> {out_dir}" + (f" | resuming at iter {iter_num}" if ckpt else ""))
+
+    start_log(log_path, {"config": cfg, "model_args": model_args, "n_params": raw_model.get_num_params(),
+                         "flops_per_iter": flops_per_iter, "tokens_per_iter": tokens_per_iter},
+              keep_until=iter_num if ckpt is not None else None)
+    log = open(log_path, "a")
+
+    def record(rec, do_eval):
+        """Evaluate if asked, append rec to the log, checkpoint after an evaluation (finite states only)."""
+        nonlocal best_val, last_saved
+        if do_eval:
+            rec["val_loss"] = evaluate(model, val_batches, ctx, device)
+            if not math.isfinite(rec["val_loss"]):
+                raise NonFiniteLoss(f"val loss is {rec['val_loss']} at iteration {iter_num}")
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        if do_eval:
+            best_val = min(best_val, rec["val_loss"])
+            if iter_num > 0:  # (iter 0 is the initial state: nothing to save)
+                if not all(torch.isfinite(p).all() for p in raw_model.parameters()):
+                    raise NonFiniteLoss(f"the weights are not finite at iteration {iter_num}")
+                save_checkpoint(dict(model_args=model_args, model=raw_model.state_dict(),
+                                     optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
+                                     iter_num=iter_num, best_val_loss=best_val, config=cfg, meta=meta,
+                                     rng_cpu=torch.get_rng_state(),
+                                     rng_cuda=torch.cuda.get_rng_state_all() if device_type == "cuda" else []),
+                                out_dir)
+                last_saved = iter_num
+            print(f"iter {iter_num}: val loss {rec['val_loss']:.4f} (best {best_val:.4f})"
+                  + (" | checkpoint saved" if iter_num > 0 else ""))
+
+    try:
+        if iter_num == 0:
+            record(dict(iter=0, tokens=0, flops=0, lr=get_lr(0, cfg)), do_eval=True)
+        t_start = t_last = time.time()
+        losses = []  # each step's loss since the last record, kept on the device (no sync per step)
+        while iter_num < max_iters:
+            lr = get_lr(iter_num, cfg)
+            for g in optimizer.param_groups:  # routers follow the same schedule, scaled to their own peak
+                g["lr"] = g["peak_lr"] * lr / cfg["learning_rate"]
+            step_loss = 0.0
+            for x, y in train_batches(train_data, cfg, iter_num):
+                if device_type == "cuda":
+                    x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+                with ctx:
+                    _, loss = model(x.to(device), y.to(device))
+                step_loss = step_loss + loss.detach().float() / accum
+                scaler.scale(loss / accum).backward()
+            if cfg["grad_clip"] > 0:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg["grad_clip"])
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(step_loss)
+            iter_num += 1
+            do_eval = iter_num % cfg["eval_interval"] == 0 or iter_num == max_iters
+            if iter_num % cfg["log_interval"] == 0 or do_eval:
+                values = torch.stack(losses).tolist()  # the one host-device sync per record
+                for i, v in enumerate(values):
+                    if not math.isfinite(v):
+                        raise NonFiniteLoss(f"training loss is {v} at iteration {iter_num - len(values) + i}")
+                dt = (time.time() - t_last) / len(values)
+                flops = iter_num * flops_per_iter
+                rec = dict(iter=iter_num, tokens=iter_num * tokens_per_iter, flops=flops,
+                           train_loss=sum(values) / len(values), lr=lr, ms_per_iter=1000 * dt)
+                print(f"iter {iter_num}/{max_iters} | loss {rec['train_loss']:.4f} | lr {lr:.2e} | "
+                      f"{1000 * dt:.0f} ms/iter | {tokens_per_iter / dt / 1e3:.1f}k tok/s | {flops:.2e} FLOPs, "
+                      f"{flops_per_iter / dt / 1e9:.1f} GFLOP/s" + (f", MFU {flops_per_iter / dt / peak:.1%}"
+                      if peak else "") + f" | ETA {fmt_time((max_iters - iter_num) * dt)}")
+                record(rec, do_eval)
+                losses, t_last = [], time.time()
+    except NonFiniteLoss as e:
+        good = (f"the last good checkpoint, iter {last_saved}, is in {ckpt_path}" if last_saved is not None
+                else "no checkpoint was saved")
+        raise NonFiniteLoss(f"{e}; stopped ({good}). Try a lower --learning_rate") from None
+    finally:
+        log.close()
+    last = read_log(log_path)[-1]
+    if ckpt is None or iter_num > ckpt["iter_num"]:
+        print(f"{name} done: val loss {last['val_loss']:.4f} after {iter_num} iters, "
+              f"{iter_num * flops_per_iter:.2e} FLOPs, {fmt_time(time.time() - t_start)}")
+    else:
+        print(f"{name}: already trained to iter {iter_num} (max_iters={max_iters}); nothing to do")
+    return dict(out_dir=out_dir, iter=iter_num, val_loss=last.get("val_loss"), flops=iter_num * flops_per_iter)
+
+
+# -----------------------------------------------------------------------------------------------------
+# checkpoints and logs
+
+def save_checkpoint(ckpt, out_dir):
+    """Write ckpt (a dict of plain types and tensors) to out_dir/ckpt.pt atomically: temp file + rename,
+    so a crash mid-write never replaces a good checkpoint with a broken one."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "ckpt.pt")
+    tmp = path + ".tmp"
+    torch.save(ckpt, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(out_dir, device="cpu"):
+    """-> (model in eval mode on device, ckpt dict). Loaded with weights_only=True (no pickle code runs)."""
+    path = os.path.join(out_dir, "ckpt.pt")
+    if not os.path.exists(path):
+        inside = [v for v in ("lime", "baseline") if os.path.exists(os.path.join(out_dir, v, "ckpt.pt"))]
+        hint = (f"it looks like a --compare folder: use {os.path.join(out_dir, inside[0])}" if inside else
+                f"train one with: python train.py --out_dir={out_dir}")
+        raise FileNotFoundError(f"no checkpoint at {path}; {hint}")
+    ckpt = torch.load(path, map_location=device, weights_only=True)
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    model.load_state_dict(ckpt["model"])
+    return model.to(device).eval(), ckpt
+
+
+def read_log(path, header=False):
+    """The records of a log.jsonl (those with "iter"), or with header=True its {"config": ...} header (or
+    None). Lines that don't parse (a run killed mid-write) are skipped."""
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    if header:
+        return next((r for r in records if "config" in r), None)
+    return [r for r in records if "iter" in r]
+
+
+def start_log(path, header, keep_until=None):
+    """Start out_dir/log.jsonl with its header; on resume keep the old records up to keep_until (the
+    checkpoint's iter: later ones are redone). Atomic, so a crash here loses nothing."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    keep = [r for r in read_log(path) if r["iter"] <= keep_until] if keep_until is not None \
+        and os.path.exists(path) else []
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in [header] + keep)
+    os.replace(path + ".tmp", path)
+
+
+# -----------------------------------------------------------------------------------------------------
+# comparing: small pure functions on log records (lists of dicts), then the figure and the summary.
+# A --compare folder OUT holds OUT/baseline and OUT/lime (first seed; what sample.py and analyze.py read),
+# OUT/baseline_seedS and OUT/lime_seedS (further seeds), OUT/loss_vs_flops.png and OUT/summary.json.
+
+def run_dir(out_dir, variant, i, seed):
+    return os.path.join(out_dir, variant if i == 0 else f"{variant}_seed{seed}")
+
+
+def mean_band(runs, key):
+    """Seeds' logs -> (flops, mean, min, max) arrays of key over the iterations where every run has it
+    (all seeds share the schedule). One run gives its own curve."""
+    iters = sorted(set.intersection(*[{r["iter"] for r in recs if r.get(key) is not None} for recs in runs]))
+    at = [{r["iter"]: r for r in recs} for recs in runs]
+    flops = np.array([np.mean([a[i]["flops"] for a in at]) for i in iters], dtype=float)
+    ys = np.array([[a[i][key] for i in iters] for a in at], dtype=float).reshape(len(runs), len(iters))
+    return flops, ys.mean(0), ys.min(0), ys.max(0)
+
+
+def flops_to_reach(flops, losses, target):
+    """FLOPs at which a val curve first gets down to target, interpolating linearly between eval points;
+    None if it never does."""
+    for i in range(len(losses)):
+        if losses[i] <= target:
+            if i == 0:
+                return float(flops[0])
+            f0, l0 = flops[i - 1], losses[i - 1]
+            return float(f0 + (flops[i] - f0) * (l0 - target) / (l0 - losses[i]))
+    return None
+
+
+def summarize(seeds, baseline_runs, lime_runs):
+    """Per seed: final val losses and the FLOPs at which LIMe first reaches the baseline's final val loss,
+    as a ratio to the baseline's total FLOPs (None: never). Then mean and std (ddof=1; 0 for one seed) of
+    the final val losses, and the same crossing for the mean curves."""
+    out = dict(seeds=list(seeds), interpolation="linear between eval points", per_seed=[])
+    for seed, b, l in zip(seeds, baseline_runs, lime_runs):
+        (bf, bl, _, _), (lf, ll, _, _) = mean_band([b], "val_loss"), mean_band([l], "val_loss")
+        if not len(bl) or not len(ll):
+            raise ValueError(f"seed {seed}: a run has no val loss logged yet, nothing to compare")
+        match = flops_to_reach(lf, ll, bl[-1])
+        out["per_seed"].append(dict(seed=seed, baseline_val_loss=bl[-1], lime_val_loss=ll[-1], baseline_flops=bf[-1],
+                                    lime_flops=lf[-1], lime_flops_to_match=match,
+                                    ratio=None if match is None else match / bf[-1]))
+    for v in ("baseline", "lime"):
+        finals = np.array([p[f"{v}_val_loss"] for p in out["per_seed"]])
+        out[v] = dict(val_loss_mean=finals.mean(), val_loss_std=finals.std(ddof=1) if len(finals) > 1 else 0.0,
+                      flops=np.mean([p[f"{v}_flops"] for p in out["per_seed"]]))
+    (bf, bm, _, _), (lf, lm, _, _) = mean_band(baseline_runs, "val_loss"), mean_band(lime_runs, "val_loss")
+    match = flops_to_reach(lf, lm, bm[-1])
+    out["mean_curve"] = dict(lime_flops_to_match=match, ratio=None if match is None else match / bf[-1])
+    return json.loads(json.dumps(out, default=float))  # numpy numbers -> plain floats
+
+
+def format_summary(s):
+    """The summary as printed lines."""
+    n, ratio = len(s["seeds"]), lambda r: "never" if r is None else f"{r:.2f}x"
+    pm = lambda v: f"{s[v]['val_loss_mean']:.4f}" + (f" ± {s[v]['val_loss_std']:.4f}" if n > 1 else "")
+    lines = [f"final val loss, {n} seed{'s' if n > 1 else ''} ({', '.join(map(str, s['seeds']))})"
+             + (", mean ± std:" if n > 1 else ":"),
+             f"  baseline  {pm('baseline')}  after {s['baseline']['flops']:.3e} FLOPs",
+             f"  LIMe      {pm('lime')}  after {s['lime']['flops']:.3e} FLOPs"]
+    if n == 1:
+        p = s["per_seed"][0]
+        lines.append(f"LIMe reaches the baseline's final val loss {p['baseline_val_loss']:.4f} " + (
+            "never" if p["ratio"] is None else
+            f"at {p['lime_flops_to_match']:.3e} FLOPs = {p['ratio']:.2f}x the baseline's total FLOPs"))
+    else:
+        lines.append("LIMe's FLOPs to reach the baseline's final val loss / baseline's total FLOPs, per seed: "
+                     + ", ".join(f"{p['seed']}: {ratio(p['ratio'])}" for p in s["per_seed"])
+                     + f"; mean curves: {ratio(s['mean_curve']['ratio'])}")
+    return lines + ["  (linear interpolation between eval points)"]
+
+
+def find_runs(out_dir):
+    """[(seed, baseline dir, lime dir)] of a --compare folder, limited to the seeds of its summary.json
+    (if any; so leftovers of an older comparison with more seeds are not mixed in)."""
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    runs = []
+    if "baseline" in names:
+        h = read_log(os.path.join(out_dir, "baseline", "log.jsonl"), header=True)
+        runs.append((h["config"]["seed"] if h else None, "baseline", "lime"))
+    runs += sorted((int(d[13:]), d, "lime" + d[8:]) for d in names
+                   if d.startswith("baseline_seed") and d[13:].isdigit())  # d[13:]: S of baseline_seedS
+    if "summary.json" in names:
+        with open(os.path.join(out_dir, "summary.json")) as f:
+            seeds = json.load(f).get("seeds")
+        runs = [r for r in runs if seeds is None or r[0] in seeds]
+    runs = [(seed, os.path.join(out_dir, b), os.path.join(out_dir, l)) for seed, b, l in runs]
+    missing = [d for r in runs for d in r[1:] if not os.path.exists(os.path.join(d, "log.jsonl"))]
+    if not runs or missing:
+        raise FileNotFoundError(f"no log at {missing[0] if missing else os.path.join(out_dir, 'baseline')}"
+                                f"/log.jsonl; make the runs with: python train.py --compare --out_dir={out_dir}")
+    return runs
+
+
+def smooth(y, k=5):
+    """Running mean over the last k points (for the noisy train loss)."""
+    c = np.cumsum(np.insert(y, 0, 0.0))
+    lo = np.maximum(np.arange(1, len(y) + 1) - k, 0)
+    return (c[1:] - c[lo]) / (np.arange(1, len(y) + 1) - lo)
+
+
+def plot_compare(path, baseline_runs, lime_runs, summary, title=""):
+    """Val loss (bold, markers; min-max band over seeds) and smoothed train loss (faint) against training
+    FLOPs: whole run on the left, second half zoomed on the right. Written atomically to path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
+    bands = []
+    for runs, color, label in ((baseline_runs, "tab:blue", "baseline"), (lime_runs, "tab:red", "LIMe")):
+        (vf, vm, vlo, vhi), (tf, tm, _, _) = mean_band(runs, "val_loss"), mean_band(runs, "train_loss")
+        bands.append((vf, vlo, vhi))
+        for ax in axes:
+            ax.plot(tf, smooth(tm), color=color, alpha=0.35, lw=1, label=f"{label} train (smoothed)")
+            ax.plot(vf, vm, color=color, lw=2.2, marker="o", ms=4, label=f"{label} val")
+            if len(runs) > 1:
+                ax.fill_between(vf, vlo, vhi, color=color, alpha=0.2, lw=0, label=f"{label} val, min-max over seeds")
+    match, ratio = summary["mean_curve"]["lime_flops_to_match"], summary["mean_curve"]["ratio"]
+    for ax in axes:
+        ax.axhline(summary["baseline"]["val_loss_mean"], color="gray", ls=":", lw=1.2,
+                   label="baseline's final val loss")
+        if match is not None:
+            ax.axvline(match, color="tab:red", ls=":", lw=1.2, label=f"LIMe reaches it: {ratio:.2f}x the FLOPs")
+        ax.set(xlabel="cumulative training FLOPs", ylabel="loss (nats/token)")
+        ax.grid(alpha=0.3)
+    x1 = max(f[-1] for f, _, _ in bands)  # zoom: the second half, y range from the val curves there
+    ys = np.concatenate([np.r_[lo[f >= x1 / 2], hi[f >= x1 / 2]] for f, lo, hi in bands])
+    if len(ys):
+        pad = 0.15 * (ys.max() - ys.min()) + 1e-3
+        axes[1].set(xlim=(x1 / 2, x1 * 1.02), ylim=(ys.min() - pad, ys.max() + 2 * pad))
+    n, k = len(baseline_runs), 1 + (match is not None)  # k: the reference lines' legend entries
+    axes[0].set_title("loss vs training FLOPs" + (f" (mean of {n} seeds)" if n > 1 else ""))
+    axes[1].set_title("second half of training, zoomed" + ("" if match is not None else
+                      " (LIMe never reaches the baseline's final val loss)"), fontsize=11)
+    handles, labels = axes[1].get_legend_handles_labels()
+    axes[0].legend(handles[:-k], labels[:-k], fontsize=8, loc="upper right")
+    axes[1].legend(handles[-k:], labels[-k:], fontsize=9, loc="upper right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=110)
+    os.replace(path + ".tmp.png", path)
+    plt.close(fig)
+
+
+def report(out_dir):
+    """Draw OUT/loss_vs_flops.png, write OUT/summary.json and print the summary, from the logs alone."""
+    runs = find_runs(out_dir)
+    baseline_runs, lime_runs = [[read_log(os.path.join(r[i], "log.jsonl")) for r in runs] for i in (1, 2)]
+    summary = summarize([r[0] for r in runs], baseline_runs, lime_runs)
+    h, title = read_log(os.path.join(runs[0][1], "log.jsonl"), header=True), ""
+    if h:
+        c = h["config"]
+        title = (f"{c['dataset']}: n_layer={c['n_layer']}, n_embd={c['n_embd']}, n_head={c['n_head']}, block_size="
+                 f"{c['block_size']}, batch_size={c['batch_size']}, {c['max_iters']} iters, lr={c['learning_rate']:g}, "
+                 f"router_lr={c['router_lr']:g}; val loss on {c['eval_iters']} fixed batches")
+    path = os.path.join(out_dir, "loss_vs_flops.png")
+    plot_compare(path, baseline_runs, lime_runs, summary, title)
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print("\n".join(format_summary(summary)) + f"\nwrote {path} and {os.path.join(out_dir, 'summary.json')}")
+    return summary
+
+
+def compare(cfg, explicit=()):
+    """Baseline then LIMe, per seed, with identical data order, init, eval batches and schedule; then the
+    figure, the summary and the analysis. With --resume, runs with a checkpoint continue (finished ones
+    are kept as they are) and the others start."""
+    cfg = resolve(cfg)
+    out_dir, seeds = cfg["out_dir"], [cfg["seed"] + i for i in range(cfg["seeds"])]
+    if "lime" in explicit:
+        print("note: --compare trains both variants; --lime is ignored")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:  # marks which seeds belong to this comparison
+        json.dump(dict(seeds=seeds, status="training"), f)
+    for i, seed in enumerate(seeds):
+        for variant in ("baseline", "lime"):
+            d = run_dir(out_dir, variant, i, seed)
+            print(f"\n=== {variant}, seed {seed} ({i + 1}/{len(seeds)}) -> {d}")
+            resume = cfg["resume"] and os.path.exists(os.path.join(d, "ckpt.pt"))
+            train(dict(cfg, lime=variant == "lime", seed=seed, out_dir=d, resume=resume, compare=False, seeds=1),
+                  set(explicit) | {"lime", "seed"})
+    print()
+    summary = report(out_dir)
+    run_analyze(out_dir, cfg["device"])
+    return summary
+
+
+def run_analyze(out_dir, device="auto"):
+    """analyze.analyze_compare(out_dir, device), if analyze.py is there."""
+    try:
+        import analyze
+    except ModuleNotFoundError as e:
+        if e.name != "analyze":
+            raise
+        print("note: analyze.py not found; skipping the analysis")
+        return None
+    if not hasattr(analyze, "analyze_compare"):
+        print("note: analyze.py has no analyze_compare(); skipping the analysis")
+        return None
+    return analyze.analyze_compare(out_dir, setup_device(device, "auto")[0])
+
+
+def main(argv=None):
+    cfg, explicit = get_config(argv)
+    if cfg["plot"]:
+        return report(cfg["plot"])
+    if cfg["analyze"]:
+        return run_analyze(cfg["analyze"], cfg["device"])
+    if cfg["compare"]:
+        return compare(cfg, explicit)
+    if cfg["seeds"] != 1:
+        raise ValueError("--seeds is for --compare; a single run uses --seed")
+    return train(cfg, explicit)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("\ninterrupted; continue with the same command plus --resume=True", file=sys.stderr)
+        sys.exit(130)
