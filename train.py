@@ -580,7 +580,7 @@ def plot_compare(path, baseline_runs, lime_runs, summary, title=""):
     n, k = len(baseline_runs), 1 + (match is not None)  # k: the reference lines' legend entries
     axes[0].set_title("loss vs training FLOPs" + (f" (mean of {n} seeds)" if n > 1 else ""))
     axes[1].set_title("second half of training, zoomed" + ("" if match is not None else
-                      " (LIMe never reaches the baseline's final val loss)"), fontsize=11)
+                      "\n(LIMe never reaches the baseline's final val loss)"), fontsize=11)
     handles, labels = axes[1].get_legend_handles_labels()
     axes[0].legend(handles[:-k], labels[:-k], fontsize=8, loc="upper right")
     axes[1].legend(handles[-k:], labels[-k:], fontsize=9, loc="upper right")
