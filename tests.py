@@ -130,10 +130,11 @@ def test_router_gradients_and_optimizer_groups():
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
 
 
-def test_fast_mix_matches_reference_formula():
+@pytest.mark.parametrize("L", [1, 2, 4, 7])  # depths that take both orientations of _thin_matmul
+def test_fast_mix_matches_reference_formula(L):
     """The buffer-based mix (values and gradients of inputs and routers) against the plain formula."""
     torch.manual_seed(0)
-    L, B, T, H, hd = 4, 2, 5, 3, 4
+    B, T, H, hd = 2, 5, 3, 4
     kvs = [torch.randn(B, T, 2, H, hd, dtype=torch.float64, requires_grad=True) for _ in range(L)]
     Ws = [None] + [torch.randn(H, (l + 1) * H, dtype=torch.float64, requires_grad=True)
                    for l in range(1, L)]
