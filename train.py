@@ -635,17 +635,8 @@ def compare(cfg, explicit=()):
 
 
 def run_analyze(out_dir, device="auto"):
-    """analyze.analyze_compare(out_dir, device), if analyze.py is there."""
-    try:
-        import analyze
-    except ModuleNotFoundError as e:
-        if e.name != "analyze":
-            raise
-        print("note: analyze.py not found; skipping the analysis")
-        return None
-    if not hasattr(analyze, "analyze_compare"):
-        print("note: analyze.py has no analyze_compare(); skipping the analysis")
-        return None
+    """analyze.analyze_compare(out_dir, device): router maps and value entropy of a --compare folder."""
+    import analyze  # here, not at the top: analyze.py imports this file
     return analyze.analyze_compare(out_dir, setup_device(device, "auto")[0])
 
 
