@@ -2,16 +2,18 @@
 What does LIMe cost? Times a full training step and counts activation memory, baseline vs LIMe.
 
     python bench.py                                   # 8 and 32 layers at width 256, plus deep-narrow
-    python bench.py --depths=4,16 --repeats=3 --deep=False
+    python bench.py --depths=4,16 --repeats=3 --rounds=1 --deep=False
     python bench.py --device=cuda                     # bf16 autocast on CUDA
 
-Each configuration runs in a fresh process (so peak memory is its own). Per configuration we measure:
+Each configuration runs in a fresh process (so peak memory is its own), and baseline and LIMe alternate
+for --rounds rounds, so that a machine whose speed drifts slows both alike. Per configuration we measure:
   step ms    median wall time of forward + backward + AdamW step, after warm-up steps
   act mem    bytes autograd keeps for backward in one forward pass (saved_tensors_hooks, unique storages,
              parameters excluded): deterministic, the same on every machine; the primary memory figure
   peak       peak RSS of the process on CPU (includes the interpreter and torch itself, and the
              allocator's habits), torch.cuda.max_memory_allocated on CUDA: secondary
-and print one table of LIMe / baseline ratios, next to the FLOP ratio from flops_per_token.
+and print one table of LIMe / baseline ratios, next to the FLOP ratio from flops_per_token. The time
+ratio is the median over rounds of each round's ratio, with its range over rounds in brackets.
 """
 
 import argparse
@@ -107,7 +109,8 @@ def main(argv=None):
                    "4 heads, block 128, batch 32")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per process (median taken)")
+    p.add_argument("--rounds", type=int, default=3, help="fresh baseline + LIMe processes per config")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a._worker:
@@ -121,16 +124,21 @@ def main(argv=None):
         rows.append(("24 layers, width 64 (deep)",
                      dict(n_layer=24, n_embd=64, n_head=4, block_size=128, batch_size=32,
                           vocab_size=a.vocab_size)))
+    if min(a.repeats, a.rounds) < 1 or a.warmup < 0:
+        p.error("--repeats and --rounds must be >= 1, --warmup >= 0")
     print(f"device={a.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"median of {a.repeats} steps after {a.warmup} warm-up")
-    head = (f"{'config':<28} {'base ms':>8} {'lime ms':>8} {'time x':>7} {'FLOP x':>7} {'act x':>6} "
+          f"median of {a.repeats} steps after {a.warmup} warm-up, {a.rounds} rounds")
+    head = (f"{'config':<28} {'base ms':>8} {'lime ms':>8} {'time x (range)':>20} {'FLOP x':>7} {'act x':>6} "
             f"{'peak x':>7} {'act MiB b/l':>13} {'GFLOP/s b/l':>12}")
     print(head)
     print("-" * len(head))
     for name, cfg in rows:
-        b = run_fresh(dict(cfg, lime=False, **common))
-        l = run_fresh(dict(cfg, lime=True, **common))
-        print(f"{name:<28} {b['step_ms']:8.0f} {l['step_ms']:8.0f} {l['step_ms'] / b['step_ms']:7.3f} "
+        runs = [(run_fresh(dict(cfg, lime=False, **common)), run_fresh(dict(cfg, lime=True, **common)))
+                for _ in range(a.rounds)]
+        b, l = ({k: statistics.median(r[i][k] for r in runs) for k in runs[0][i]} for i in (0, 1))
+        ratios = [rl["step_ms"] / rb["step_ms"] for rb, rl in runs]
+        spread = f"{statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})"
+        print(f"{name:<28} {b['step_ms']:8.0f} {l['step_ms']:8.0f} {spread:>20} "
               f"{l['flops'] / b['flops']:7.3f} {l['act_bytes'] / b['act_bytes']:6.3f} "
               f"{l['peak_bytes'] / b['peak_bytes']:7.3f} "
               f"{b['act_bytes'] / 2**20:6.0f}/{l['act_bytes'] / 2**20:<6.0f} "

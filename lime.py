@@ -78,19 +78,19 @@ def apply_rope(x, cos, sin):
 # for keys and values, no softmax and no mixing across time (so causality is untouched). Layer 0 has
 # no router: it uses its own kv_0. lime_mix_reference() below is that formula in a few lines.
 #
-# The fast path (KVStack + _LimeMix) computes exactly the same thing without the two traps of the
-# naive version, where each layer concatenates the raw K/V of layers 0..l afresh:
-#   memory: autograd would keep every concatenation, O(L^2) activations. Here the raw K/V of all
-#           layers live ONCE in a preallocated buffer of shape (B, T, 2, hd, L, H): one row per
-#           (position, key-or-value, channel) and one column per (layer, head). Layer l reads the first
-#           (l+1)*H columns, an ordinary strided matrix: its mix (keys and values together) is ONE
-#           matmul, (N, (l+1)*H) @ W_l^T, with no copies. (On our CPU, MKL ran the whole mix ~10% faster
-#           in this layout than with heads as rows; see README, Efficiency.)
-#   time:   backward visits layers in reverse, so when it reaches layer m the output gradients of all
-#           layers l >= m (the ones that read layer m) are known. They are stored in a second buffer
-#           `grad` (same layout), and the gradient of layer m's raw K/V is ONE matmul over its columns
-#           (l >= m) instead of (L - m) small products accumulated one by one.
-# Autograd sees the buffer once: the last layer saves it for backward (saved_tensors_hooks count it).
+# Stacked, the routers form one block-lower-triangular matrix M, (L*H, L*H), row block l = [W_l, 0]:
+# all mixes are M @ raw, but raw_l exists only once layer l has run. The fast path (KVStack + _LimeMix)
+# computes exactly that, without the traps of the naive version (concatenate layers 0..l at each layer):
+#   memory: autograd would keep every concatenation, O(L^2). Here the raw K/V of all layers live ONCE in
+#           a buffer (B, 2, L, H, T, hd) that the last layer saves for backward (saved_tensors_hooks count
+#           it). Seen as (2B, L*H, T*hd), layers 0..l are its first (l+1)*H rows: a mix is a batched
+#           matmul on a view, no copies.
+#   time:   the mix is memory-bound, and layer by layer, layer l would reread all l+1 raw K/V. So layers
+#           go in groups of `block`: when a group starts, the layers before it are final, and ONE matmul
+#           reads them for the whole group (`partial`); each layer then adds its group's layers. Backward
+#           does the same with M^T (the gradient of raw_m sums over its readers l >= m). The router
+#           gradients need both buffers complete: every router is an input of layer 0's mix, whose
+#           backward runs last and computes them all in a few big matmuls.
 # ----------------------------------------------------------------------------------------------------
 
 def lime_mix_reference(kvs, routers):
@@ -103,76 +103,93 @@ def lime_mix_reference(kvs, routers):
     return out
 
 
-def _thin_matmul(W, cols):
-    """W @ cols^T -> (H, N), for W: (H, K) and cols: (N, K), the first or last K columns of a buffer row
-    (N, L*H). The same product in two orientations: on our CPU, MKL ran narrow strided slices several
-    times faster as W @ cols^T and (nearly) full-width ones as (cols @ W^T)^T; any BLAS gets it right."""
-    narrow = 2 * cols.shape[1] <= cols.stride(0)
-    return W @ cols.t() if narrow else (cols @ W.t()).t()
-
-
 class KVStack:
-    """Per-forward scratch space shared by the layers' mixes: the raw K/V buffer and, in backward, the
-    buffer of output gradients. Holds no parameters; a new one is made for every forward pass."""
+    """Scratch space that the layers' mixes share during one forward and backward pass (no parameters)."""
+    spare = None  # the last backward's `grad`, reused: touching a fresh 100 MB+ CPU buffer page-faults
 
-    def __init__(self, n_layer):
-        self.n_layer = n_layer
-        self.buf = None        # (B, T, 2, hd, L, H) raw keys/values of every layer, filled by forward
-        self.grad = None       # (B, T, 2, hd, L, H) d loss / d mixed K/V of every layer, filled by backward
-        self.routers = [None] * n_layer  # W_l as used in forward (in the compute dtype), for backward
+    def __init__(self, routers, block=6):
+        self.routers = routers  # W_1 .. W_{L-1} (layer 0 has none), inputs of layer 0's mix
+        self.n_layer = len(routers) + 1
+        self.block = block      # layers per group: any value gives the same result; 4-8 ran alike here
+        self.M = None           # (L*H, L*H) the routers as one block-lower-triangular matrix, detached
+        self.buf = None         # (B, 2, L, H, T, hd) raw keys/values of every layer, filled by forward
+        self.grad = None        # (B, 2, L, H, T, hd) d loss / d mixed K/V of every layer, filled by backward
+        self.partial = None     # (2B, block*H, T*hd) the current group's sums over the layers outside it
 
 
 class _LimeMix(torch.autograd.Function):
-    """k, v of layer l = mix of the raw K/V of layers 0..l by W_l, via the shared buffer."""
+    """k, v of layer l = W_l @ (raw K/V of layers 0..l), through the shared buffer."""
 
     @staticmethod
-    def forward(ctx, kv, router, stack, l):
+    def forward(ctx, kv, stack, l, *routers):  # routers: W_1 .. W_{L-1}, given to layer 0 only
         B, T, _, H, hd = kv.shape                                     # kv: (B, T, 2, H, hd)
-        L = stack.n_layer
-        if stack.buf is None:
-            stack.buf = kv.new_empty(B, T, 2, hd, L, H)
-        buf = stack.buf
-        buf[..., l, :] = kv.transpose(3, 4)                           # (B, T, 2, hd, H)
+        L, g = stack.n_layer, stack.block
+        if l == 0:
+            stack.buf = kv.new_empty(B, 2, L, H, T, hd)
+            stack.M = kv.new_zeros(L * H, L * H)
+            for j, W in enumerate(routers, start=1):                  # (no grad is recorded in here)
+                stack.M[j * H:(j + 1) * H, :(j + 1) * H] = W
+            ctx.router_dtypes = [W.dtype for W in routers]
+        M, buf = stack.M, stack.buf
+        buf[:, :, l] = kv.permute(0, 2, 3, 1, 4)                      # (B, 2, H, T, hd)
+        raw = buf.view(2 * B, L * H, T * hd)                          # rows: (layer, head)
         ctx.stack, ctx.l = stack, l
         if l == L - 1:
             ctx.save_for_backward(buf)  # the buffer is complete now: this is the one copy autograd keeps
             stack.buf = None
-        src = buf.view(-1, L * H)[:, :(l + 1) * H]                    # (N, (l+1)*H), N = B*T*2*hd
-        if router is None:                                            # layer 0 reads only itself
-            mixed_t = src.t()
-        else:
-            W = router.to(kv.dtype)
-            stack.routers[l] = W
-            ctx.router_dtype = router.dtype
-            mixed_t = _thin_matmul(W, src)                            # (H, N): one matmul, K and V
-        k, v = mixed_t.view(H, B, T, 2, hd).permute(3, 1, 0, 2, 4).contiguous()  # 2 x (B, H, T, hd)
-        return k, v
+        a = l - l % g                                                 # l's group starts at layer a
+        if l == a and a > 0:                                          # layers < a, for the whole group
+            stack.partial = M[a * H:(a + g) * H, :a * H] @ raw[:, :a * H]          # (2B, g*H, T*hd)
+        if l == 0:
+            mixed = raw[:, :H].clone()                                # layer 0 reads only itself
+        else:                                                         # W_l on the group's layers a..l
+            mixed = M[l * H:(l + 1) * H, a * H:(l + 1) * H] @ raw[:, a * H:(l + 1) * H]  # (2B, H, T*hd)
+            if a > 0:
+                mixed += stack.partial[:, (l - a) * H:(l - a + 1) * H]   # + W_l on the layers before a
+        return mixed.view(B, 2, H, T, hd).unbind(1)                   # k, v: (B, H, T, hd)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dk, dv):
-        stack, l, L = ctx.stack, ctx.l, ctx.stack.n_layer
+        stack, l = ctx.stack, ctx.l
+        L, g, M = stack.n_layer, stack.block, stack.M
         B, H, T, hd = dk.shape
         if l == L - 1:                                                # first layer visited by backward
             stack.buf = ctx.saved_tensors[0]
-            stack.grad = torch.empty_like(stack.buf)
-        buf, grad = stack.buf.view(-1, L * H), stack.grad.view(-1, L * H)  # (N, L*H)
-        stack.grad[:, :, 0, :, l] = dk.permute(0, 2, 3, 1)            # (B, T, hd, H)
-        stack.grad[:, :, 1, :, l] = dv.permute(0, 2, 3, 1)
-        drouter = None
-        if l > 0:                                                     # dW_l = grad_l^T @ buf[:, :(l+1)H]
-            drouter = (grad[:, l * H:(l + 1) * H].t() @ buf[:, :(l + 1) * H]).to(ctx.router_dtype)
-        # Gradient of this layer's raw K/V: every reader l' >= l used columns [l*H, (l+1)*H) of W_l'.
-        # One matmul over the output gradients of all readers; layer 0 also reads itself unmixed.
-        readers = range(max(l, 1), L)
-        dkv_t = grad[:, :H].t() if l == 0 else None                   # (H, N)
-        if len(readers):
-            Wt = torch.cat([stack.routers[j][:, l * H:(l + 1) * H].t() for j in readers], dim=1)  # (H, n*H)
-            prod = _thin_matmul(Wt, grad[:, readers.start * H:])                                  # (H, N)
-            dkv_t = prod if dkv_t is None else dkv_t + prod
+            spare, KVStack.spare = KVStack.spare, None
+            fits = spare is not None and spare.shape == stack.buf.shape and spare.dtype == stack.buf.dtype
+            stack.grad = spare if fits and spare.device == stack.buf.device else torch.empty_like(stack.buf)
+        stack.grad[:, 0, l], stack.grad[:, 1, l] = dk, dv
+        raw, grad = stack.buf.view(2 * B, L * H, T * hd), stack.grad.view(2 * B, L * H, T * hd)
+        a = l - l % g
+        b = min(a + g, L)                                             # l's group: layers a..b-1
+        if l == b - 1 and b < L:                                      # readers >= b, for the whole group
+            stack.partial = M[b * H:, a * H:b * H].t() @ grad[:, b * H:]           # (2B, g*H, T*hd)
+        # d raw_l = sum over readers j >= l of W_j[:, l's columns]^T @ grad_j; here the group's readers
+        lo = max(l, 1)
+        dkv = M[lo * H:b * H, l * H:(l + 1) * H].t() @ grad[:, lo * H:b * H]  # (2B, H, T*hd)
+        if b < L:
+            dkv += stack.partial[:, (l - a) * H:(l - a + 1) * H]     # + the readers above the group
         if l == 0:
-            stack.buf = stack.grad = None                             # done: free the scratch space
-        return dkv_t.view(H, B, T, 2, hd).permute(1, 2, 3, 0, 4), drouter, None, None  # (B, T, 2, H, hd)
+            dkv += grad[:, :H]                                        # layer 0 also reads itself
+        dkv = dkv.view(B, 2, H, T, hd).permute(0, 3, 1, 2, 4)         # (B, T, 2, H, hd)
+        if l > 0:
+            return dkv, None, None
+        # Layer 0 comes last: dW_j = sum over the batch of grad_j @ raw[0..j]^T for every router, i.e.
+        # dM = grad @ raw^T on M's lower blocks, group by group: a few big matmuls, no wasted FLOPs.
+        acc = torch.promote_types(M.dtype, torch.float32)
+        dM = torch.zeros(M.shape, dtype=acc, device=M.device)
+        for a in range(0, L, g):
+            b = min(a + g, L)
+            if a > 0:                                                 # the group's rows, earlier columns
+                dM[a * H:b * H, :a * H] = (grad[:, a * H:b * H] @ raw[:, :a * H].mT).sum(0, dtype=acc)
+            for j in range(max(a, 1), b):                             # inside the group: W_j's own part
+                dM[j * H:(j + 1) * H, a * H:(j + 1) * H] = (
+                    grad[:, j * H:(j + 1) * H] @ raw[:, a * H:(j + 1) * H].mT).sum(0, dtype=acc)
+        KVStack.spare = stack.grad
+        stack.buf = stack.grad = stack.partial = None                 # done: drop the scratch space
+        return dkv, None, None, *[dM[j * H:(j + 1) * H, :(j + 1) * H].to(dt)
+                                  for j, dt in enumerate(ctx.router_dtypes, start=1)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -205,8 +222,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.value_probe = nn.Identity()  # hook point: sees the values attention uses, (B, H, T, hd)
-        # LIMe router W_l: (H, (l+1)*H), source heads in layer-major order. Layer 0 has none.
-        # Filled by GPT._init_routers (uniform, own-layer block = identity).
+        # LIMe router W_l: (H, (l+1)*H), source heads layer-major; none at layer 0. See _init_routers.
         H = config.n_head
         self.router = nn.Parameter(torch.empty(H, (layer + 1) * H)) if config.lime and layer > 0 else None
 
@@ -218,7 +234,8 @@ class CausalSelfAttention(nn.Module):
         if stack is None:                                           # baseline: own keys/values
             k, v = kv.transpose(1, 3).unbind(2)                     # (B, H, T, hd)
         else:                                                       # LIMe: mix of layers 0..l
-            k, v = _LimeMix.apply(kv, self.router, stack, self.layer)  # (B, H, T, hd)
+            routers = stack.routers if self.layer == 0 else ()      # every router enters at layer 0
+            k, v = _LimeMix.apply(kv, stack, self.layer, *routers)  # (B, H, T, hd)
         v = self.value_probe(v)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)     # RoPE after the mix
         mask, causal = None, True
@@ -327,7 +344,7 @@ class GPT(nn.Module):
                              f"got {tuple(targets.shape)}")
         x = self.transformer.drop(self.transformer.wte(idx))              # (B, T, C)
         cos, sin = self.rope_cos[past:past + T], self.rope_sin[past:past + T]  # (T, hd)
-        stack = KVStack(self.config.n_layer) if self.config.lime else None
+        stack = KVStack([b.attn.router for b in self.transformer.h[1:]]) if self.config.lime else None
         for block in self.transformer.h:
             x = block(x, cos.to(x.dtype), sin.to(x.dtype), stack, cache)
         logits = self.lm_head(self.transformer.ln_f(x))                   # (B, T, vocab_size)

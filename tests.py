@@ -130,8 +130,8 @@ def test_router_gradients_and_optimizer_groups():
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
 
 
-@pytest.mark.parametrize("L", [1, 2, 4, 7])  # depths that take both orientations of _thin_matmul
-def test_fast_mix_matches_reference_formula(L):
+@pytest.mark.parametrize("L,block", [(1, 8), (2, 8), (4, 8), (7, 2), (7, 3), (9, 4)])
+def test_fast_mix_matches_reference_formula(L, block):
     """The buffer-based mix (values and gradients of inputs and routers) against the plain formula."""
     torch.manual_seed(0)
     B, T, H, hd = 2, 5, 3, 4
@@ -139,8 +139,8 @@ def test_fast_mix_matches_reference_formula(L):
     Ws = [None] + [torch.randn(H, (l + 1) * H, dtype=torch.float64, requires_grad=True)
                    for l in range(1, L)]
     from lime import KVStack, _LimeMix
-    stack = KVStack(L)
-    fast = [_LimeMix.apply(kv, W, stack, l) for l, (kv, W) in enumerate(zip(kvs, Ws))]  # k, v: (B, H, T, hd)
+    stack = KVStack(Ws[1:], block=block)
+    fast = [_LimeMix.apply(kv, stack, l, *(Ws[1:] if l == 0 else ())) for l, kv in enumerate(kvs)]  # (k, v)
     fast = [torch.stack([k, v], dim=2).transpose(1, 3) for k, v in fast]                # (B, T, 2, H, hd)
     ref_k = lime_mix_reference([kv[:, :, 0] for kv in kvs], Ws)
     ref_v = lime_mix_reference([kv[:, :, 1] for kv in kvs], Ws)
@@ -155,6 +155,36 @@ def test_fast_mix_matches_reference_formula(L):
     g_ref = torch.autograd.grad(loss_ref, leaves)
     for a, b in zip(g_fast, g_ref):
         assert torch.allclose(a, b, atol=1e-12)
+
+
+def test_reused_gradient_buffer_and_bf16_autocast():
+    """Backward reuses its scratch gradient buffer from the previous step (KVStack.spare): gradients must
+    not depend on it, also when the batch shape changes. Under bf16 autocast (the CUDA training path)
+    the router gradients stay fp32 and close to the fp32 ones."""
+    from lime import KVStack
+    model = make(True, n_layer=9)
+    randomize_routers(model)
+
+    def grads(idx):
+        model.zero_grad()
+        model(idx, idx)[1].backward()
+        return [W.grad.clone() for W in routers(model)]
+
+    a, b = torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (3, 16))
+    KVStack.spare = None
+    fresh = grads(a)
+    assert KVStack.spare is not None
+    KVStack.spare.fill_(float("nan"))                # poison the buffer the next backward reuses
+    assert all(torch.equal(x, y) for x, y in zip(grads(a), fresh))
+    grads(b)                                         # another shape: a new buffer
+    assert KVStack.spare.shape[0] == 3
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(a, a)[1]
+    model.zero_grad()
+    loss.backward()
+    for W, g in zip(routers(model), fresh):
+        assert W.grad.dtype == torch.float32
+        assert (W.grad - g).norm() < 0.05 * g.norm()
 
 
 def test_lime_model_gradcheck():
@@ -197,6 +227,35 @@ def test_activation_memory_linear_in_depth():
         extra.append(act[1] - act[0])
         assert 0 < act[1] - act[0] <= L * 2 * B * T * C * 4
     assert extra[2] - extra[1] == 2 * (extra[1] - extra[0])  # exactly linear in L
+
+
+def test_bench_saved_bytes_known_case():
+    """A bias-free linear layer saves its input and its weight for backward, nothing else."""
+    from bench import saved_activation_bytes
+    lin = torch.nn.Linear(4, 3, bias=False)
+    x = torch.randn(5, 4, requires_grad=True)
+    n, y = saved_activation_bytes(lambda: lin(x), exclude=[lin.weight])
+    assert n == 5 * 4 * 4 and y.shape == (5, 3)
+    assert saved_activation_bytes(lambda: lin(x))[0] == (5 * 4 + 3 * 4) * 4
+    assert saved_activation_bytes(lambda: lin(x).exp().sum(), exclude=[lin.weight])[0] == (20 + 15) * 4
+
+
+def test_bench_measure_and_table_tiny(capsys):
+    """bench.py's measuring function on both variants, and its table from fresh worker processes."""
+    import bench
+    shape = dict(n_layer=2, n_embd=16, n_head=2, block_size=8, batch_size=2, vocab_size=11)
+    base, lime = (bench.measure(**shape, lime=v, warmup=1, repeats=2) for v in (False, True))
+    for r, v in ((base, False), (lime, True)):
+        assert r["step_ms"] > 0 and r["peak_bytes"] > 0 and r["gflops_per_s"] > 0
+        cfg = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16, lime=v)
+        assert r["flops"] == 3 * GPT(cfg).flops_per_token(8) * 2 * 8
+    assert 0 < lime["act_bytes"] - base["act_bytes"] <= 2 * 2 * 8 * 16 * 4 * 2  # one raw K/V per layer
+    bench.main(["--depths=2", "--n_embd=16", "--n_head=2", "--block_size=8", "--batch_size=2",
+                "--vocab_size=11", "--deep=False", "--warmup=0", "--repeats=1", "--rounds=1"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("2 layers")]
+    assert len(rows) == 1
+    assert float(rows[0][8]) == pytest.approx(lime["flops"] / base["flops"], abs=1e-3)  # FLOP x column
+    assert float(rows[0][9]) == pytest.approx(lime["act_bytes"] / base["act_bytes"], abs=1e-3)
 
 
 @pytest.mark.parametrize("lime", [False, True])
