@@ -78,8 +78,8 @@ def apply_rope(x, cos, sin):
 # for keys and values, no softmax and no mixing across time (so causality is untouched). Layer 0 has
 # no router: it uses its own kv_0. lime_mix_reference() below is that formula in a few lines.
 #
-# Stacked, the routers form one block-lower-triangular matrix M, (L*H, L*H), row block l = [W_l, 0]:
-# all mixes are M @ raw, but raw_l exists only once layer l has run. The fast path (KVStack + _LimeMix)
+# Stacked, the routers form one block-lower-triangular matrix M, (L*H, L*H), row block l = [W_l, 0] for
+# l >= 1: the mixes are M @ raw, but raw_l exists only once layer l has run. The fast path (KVStack + _LimeMix)
 # computes exactly that, without the traps of the naive version (concatenate layers 0..l at each layer):
 #   memory: autograd would keep every concatenation, O(L^2). Here the raw K/V of all layers live ONCE in
 #           a buffer (B, 2, L, H, T, hd) that the last layer saves for backward (saved_tensors_hooks count
