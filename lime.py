@@ -129,7 +129,6 @@ class _LimeMix(torch.autograd.Function):
             stack.M = kv.new_zeros(L * H, L * H)
             for j, W in enumerate(routers, start=1):                  # (no grad is recorded in here)
                 stack.M[j * H:(j + 1) * H, :(j + 1) * H] = W
-            ctx.router_dtypes = [W.dtype for W in routers]
         M, buf = stack.M, stack.buf
         buf[:, :, l] = kv.permute(0, 2, 3, 1, 4)                      # (B, 2, H, T, hd)
         raw = buf.view(2 * B, L * H, T * hd)                          # rows: (layer, head)
@@ -188,8 +187,8 @@ class _LimeMix(torch.autograd.Function):
                     grad[:, j * H:(j + 1) * H] @ raw[:, a * H:(j + 1) * H].mT).sum(0, dtype=acc)
         KVStack.spare = stack.grad
         stack.buf = stack.grad = stack.partial = None                 # done: drop the scratch space
-        return dkv, None, None, *[dM[j * H:(j + 1) * H, :(j + 1) * H].to(dt)
-                                  for j, dt in enumerate(ctx.router_dtypes, start=1)]
+        return dkv, None, None, *[dM[j * H:(j + 1) * H, :(j + 1) * H].to(W.dtype)
+                                  for j, W in enumerate(stack.routers, start=1)]
 
 
 # ----------------------------------------------------------------------------------------------------
