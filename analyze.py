@@ -13,7 +13,7 @@ The paper's two analyses of a baseline-vs-LIMe comparison run, as figures plus t
    uses (hooked on attn.value_probe; with LIMe these are the MIXED values), per layer, on the fixed
    validation batches: value_entropy.png. How exactly: see value_entropy() and renyi_entropy().
 
-train.py calls analyze_compare() at the end of --compare, and for `python train.py --analyze OUT`.
+train.py runs this script at the end of --compare, and for `python train.py --analyze OUT`.
 """
 
 import argparse
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from prepare_data import load_tokens
-from train import fixed_val_batches, load_checkpoint
+from common import fixed_val_batches, load_checkpoint, setup_device
 
 MAX_BATCHES, MAX_SEQUENCES = 8, 64  # plenty for a stable mean (it varies little across sequences), and
                                     # seconds on a CPU: each sequence costs one eigendecomposition per layer
@@ -267,9 +267,10 @@ def main(argv=None):
     p.add_argument("--layer", type=int, default=None, help="layer for the per-head router figure (default: last)")
     p.add_argument("--max_sequences", type=int, default=MAX_SEQUENCES,
                    help=f"validation sequences to use (whole batches, at most {MAX_BATCHES})")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, auto (cuda > mps > cpu), cuda, cuda:1, mps")
     args = p.parse_args(argv)
-    analyze_compare(args.out_dir, args.device, args.extra, args.layer, args.max_sequences)
+    device = setup_device(args.device, "float32")[0]  # ValueError if the device isn't there
+    analyze_compare(args.out_dir, device, args.extra, args.layer, args.max_sequences)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from contextlib import nullcontext
 import torch
 
 from prepare_data import get_tokenizer
-from train import load_checkpoint, setup_device
+from common import load_checkpoint, setup_device
 
 SEPARATOR = "---------------"
 

@@ -21,13 +21,14 @@ from torch.utils.flop_counter import FlopCounterMode
 torch.set_num_threads(1)  # tiny models: one thread is as fast, and immune to a busy machine's other work
 
 import analyze
+import common
 import prepare_data
 import sample
 import train
 from analyze import head_shares, renyi_entropy, router_shares, standardize
 from lime import GPT, GPTConfig, lime_mix_reference
 from prepare_data import get_tokenizer, load_meta, load_tokens, prepare
-from train import save_checkpoint
+from common import save_checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -542,7 +543,7 @@ def test_train_end_to_end_both_variants(tiny_data, tmp_path):
         out = str(tmp_path / f"run_{lime}")
         res = train.main(tiny_data(f"--lime={lime}", "--max_iters=6", f"--out_dir={out}", "--router_lr=5e-3"))
         assert res["iter"] == 6 and math.isfinite(res["val_loss"])
-        model, ckpt = train.load_checkpoint(out)
+        model, ckpt = common.load_checkpoint(out)
         assert {"model_args", "model", "optimizer", "iter_num", "best_val_loss", "config", "meta",
                 "rng_cpu"} <= set(ckpt)
         assert ckpt["iter_num"] == 6 and ckpt["model_args"]["lime"] == lime and ckpt["meta"]["tokenizer"] == "char"
@@ -583,7 +584,7 @@ def test_train_batches_depend_only_on_seed_and_iter():
     assert not torch.equal(a[0][0], train.train_batches(data, dict(cfg, seed=2), 5)[0][0])
     x, y = a[0]
     assert x.dtype == torch.int64 and x.shape == (3, 8) and torch.equal(x[:, 1:], y[:, :-1])
-    v1, v2 = train.fixed_val_batches(data, 8, 3, 4), train.fixed_val_batches(data, 8, 3, 2)
+    v1, v2 = common.fixed_val_batches(data, 8, 3, 4), common.fixed_val_batches(data, 8, 3, 2)
     assert len(v1) == 4 and all(torch.equal(p[0], q[0]) for p, q in zip(v1, v2))
 
 
@@ -680,7 +681,7 @@ def test_train_nan_loss_keeps_last_good_checkpoint(tiny_data, tmp_path, monkeypa
     with pytest.raises(train.NonFiniteLoss, match="training loss is nan at iteration 6.*iter 4"):
         train.main(tiny_data("--max_iters=10", f"--out_dir={out}"))
     assert issubclass(train.NonFiniteLoss, ValueError)  # so __main__ prints one line and exits 1
-    _, ckpt = train.load_checkpoint(out)
+    _, ckpt = common.load_checkpoint(out)
     assert ckpt["iter_num"] == 4 and all(torch.isfinite(t).all() for t in ckpt["model"].values())
 
 
@@ -702,7 +703,7 @@ def test_train_compare_two_seeds(tiny_data, tmp_path, monkeypatch):
     assert s["seeds"] == [5, 6] and [p["seed"] for p in s["per_seed"]] == [5, 6] and analyzed == [out]
     for d, lime, seed in [("baseline", False, 5), ("lime", True, 5),
                           ("baseline_seed6", False, 6), ("lime_seed6", True, 6)]:
-        _, ckpt = train.load_checkpoint(os.path.join(out, d))
+        _, ckpt = common.load_checkpoint(os.path.join(out, d))
         assert ckpt["config"]["lime"] == lime and ckpt["config"]["seed"] == seed and ckpt["iter_num"] == 4
     before = open(os.path.join(out, "lime", "log.jsonl")).read()
     train.main(tiny_data("--compare", "--seeds=2", "--max_iters=4", f"--out_dir={out}", "--seed=5", "--resume"))

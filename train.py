@@ -18,14 +18,15 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict
 
 import numpy as np
 import torch
 
+from common import fixed_val_batches, sample_batch, save_checkpoint, setup_device
 from lime import GPT, GPTConfig
 from prepare_data import load_meta, load_tokens
 
@@ -146,28 +147,12 @@ def resolve(cfg):
 # -----------------------------------------------------------------------------------------------------
 # data: memmapped token files; batches are a pure function of (seed, iteration)
 
-def sample_batch(data, block_size, batch_size, rng):
-    """(x, y): int64 CPU tensors of shape (batch_size, block_size) at random offsets; y is x shifted by one."""
-    ix = rng.integers(0, len(data) - block_size, size=batch_size)
-    chunk = torch.from_numpy(data[ix[:, None] + np.arange(block_size + 1)].astype(np.int64))  # (B, T+1)
-    return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
-
-
 def train_batches(data, cfg, it):
     """The gradient_accumulation_steps micro-batches of step `it`. A function of (seed, it) alone, so the
     baseline and LIMe see identical batches and a resumed run needs no data RNG state."""
     rng = np.random.default_rng([cfg["seed"], it])
     return [sample_batch(data, cfg["block_size"], cfg["batch_size"], rng)
             for _ in range(cfg["gradient_accumulation_steps"])]
-
-
-def fixed_val_batches(data, block_size, batch_size, n_batches, seed=0):
-    """n_batches (x, y) pairs of int64 CPU tensors, each (batch_size, block_size), drawn from data (the val
-    memmap or any 1-D int array) with np.random.default_rng(seed). Independent of the training seed, so
-    every run on the same data, block size and batch size is evaluated on exactly the same tokens (and the
-    first n batches are the same whatever n_batches is)."""
-    rng = np.random.default_rng(seed)
-    return [sample_batch(data, block_size, batch_size, rng) for _ in range(n_batches)]
 
 
 def open_dataset(cfg):
@@ -194,34 +179,6 @@ def get_lr(it, cfg):
         return min_lr
     ratio = (it - warmup) / (decay - warmup)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
-
-
-GPU_PEAK_FLOPS = [  # dense bf16 tensor-core peak by device name, first match wins (for MFU; none for CPUs)
-    ("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("L40S", 362e12),
-    ("L4", 121e12), ("4090", 165e12)]
-
-
-def setup_device(device, dtype):
-    """-> (device, device_type, dtype name, autocast context, peak FLOP/s or None)."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    device_type = device.split(":")[0]
-    if device_type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device={device} but torch sees no CUDA GPU; use --device=cpu")
-    if device_type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"--device={device} but MPS is not available; use --device=cpu")
-    if dtype == "auto":
-        dtype = "float32" if device_type != "cuda" else "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"unknown --dtype={dtype}; use float32, bfloat16 or float16")
-    peak = None
-    if device_type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        name = torch.cuda.get_device_name(device)
-        peak = next((p for key, p in GPU_PEAK_FLOPS if key in name), None) if dtype != "float32" else None
-    ctx = nullcontext() if dtype == "float32" else torch.autocast(device_type, dtype=getattr(torch, dtype))
-    return device, device_type, dtype, ctx, peak
 
 
 @torch.no_grad()
@@ -341,6 +298,7 @@ def train(cfg, explicit=()):
             record(dict(iter=0, tokens=0, flops=0, lr=get_lr(0, cfg)), do_eval=True)
         t_start = t_last = time.time()
         losses = []  # each step's loss since the last record, kept on the device (no sync per step)
+        recent = []  # ms/iter of the last few records: the ETA uses their median, so one slow step can't swing it
         while iter_num < max_iters:
             lr = get_lr(iter_num, cfg)
             for g in optimizer.param_groups:  # routers follow the same schedule, scaled to their own peak
@@ -368,13 +326,14 @@ def train(cfg, explicit=()):
                     if not math.isfinite(v):
                         raise NonFiniteLoss(f"training loss is {v} at iteration {iter_num - len(values) + i}")
                 dt = (time.time() - t_last) / len(values)
+                recent = recent[-4:] + [dt]
                 flops = iter_num * flops_per_iter
                 rec = dict(iter=iter_num, tokens=iter_num * tokens_per_iter, flops=flops,
                            train_loss=sum(values) / len(values), lr=lr, ms_per_iter=1000 * dt)
                 print(f"iter {iter_num}/{max_iters} | loss {rec['train_loss']:.4f} | lr {lr:.2e} | "
                       f"{1000 * dt:.0f} ms/iter | {tokens_per_iter / dt / 1e3:.1f}k tok/s | {flops:.2e} FLOPs, "
                       f"{flops_per_iter / dt / 1e9:.1f} GFLOP/s" + (f", MFU {flops_per_iter / dt / peak:.1%}"
-                      if peak else "") + f" | ETA {fmt_time((max_iters - iter_num) * dt)}")
+                      if peak else "") + f" | ETA {fmt_time((max_iters - iter_num) * float(np.median(recent)))}")
                 record(rec, do_eval)
                 losses, t_last = [], time.time()
     except NonFiniteLoss as e:
@@ -394,30 +353,6 @@ def train(cfg, explicit=()):
 
 # -----------------------------------------------------------------------------------------------------
 # checkpoints and logs
-
-def save_checkpoint(ckpt, out_dir):
-    """Write ckpt (a dict of plain types and tensors) to out_dir/ckpt.pt atomically: temp file + rename,
-    so a crash mid-write never replaces a good checkpoint with a broken one."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "ckpt.pt")
-    tmp = path + ".tmp"
-    torch.save(ckpt, tmp)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(out_dir, device="cpu"):
-    """-> (model in eval mode on device, ckpt dict). Loaded with weights_only=True (no pickle code runs)."""
-    path = os.path.join(out_dir, "ckpt.pt")
-    if not os.path.exists(path):
-        inside = [v for v in ("lime", "baseline") if os.path.exists(os.path.join(out_dir, v, "ckpt.pt"))]
-        hint = (f"it looks like a --compare folder: use {os.path.join(out_dir, inside[0])}" if inside else
-                f"train one with: python train.py --out_dir={out_dir}")
-        raise FileNotFoundError(f"no checkpoint at {path}; {hint}")
-    ckpt = torch.load(path, map_location=device, weights_only=True)
-    model = GPT(GPTConfig(**ckpt["model_args"]))
-    model.load_state_dict(ckpt["model"])
-    return model.to(device).eval(), ckpt
-
 
 def read_log(path, header=False):
     """The records of a log.jsonl (those with "iter"), or with header=True its {"config": ...} header (or
@@ -635,9 +570,11 @@ def compare(cfg, explicit=()):
 
 
 def run_analyze(out_dir, device="auto"):
-    """analyze.analyze_compare(out_dir, device): router maps and value entropy of a --compare folder."""
-    import analyze  # here, not at the top: analyze.py imports this file
-    return analyze.analyze_compare(out_dir, setup_device(device, "auto")[0])
+    """`python analyze.py OUT`: the paper's analyses of a --compare folder. A separate process, so the
+    scripts never import each other (analyze.py takes what it shares with this file from common.py)."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "analyze.py")
+    if subprocess.run([sys.executable, script, out_dir, f"--device={device}"]).returncode != 0:
+        raise ValueError(f"the analysis failed (see above); retry with: python analyze.py {out_dir}")
 
 
 def main(argv=None):
@@ -654,6 +591,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    sys.stdout.reconfigure(line_buffering=True)  # progress reaches `python train.py ... > log` as it happens
     try:
         main()
     except (ValueError, FileNotFoundError) as e:
