@@ -710,6 +710,58 @@ def test_train_compare_two_seeds(tiny_data, tmp_path, monkeypatch):
     assert open(os.path.join(out, "lime", "log.jsonl")).read().split("\n")[1:] == before.split("\n")[1:]
 
 
+def torchrun(*args, nproc=2):
+    """`python -m torch.distributed.run --standalone --nproc_per_node=nproc train.py args`: CPU, gloo, offline."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           os.path.join(HERE, "train.py"), *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_train_ddp_two_processes_match_one(tiny_data, tmp_path):
+    """Both variants: 2 processes (a --compare to iter 4, then --resume to 6) log the same losses and end with
+    the same weights as 1 process with the same global batch (4 micro-batches per step: 2 per rank, so no_sync
+    and the reused LIMe gradient buffer are exercised; dropout on, its masks are per micro-batch). Tolerance:
+    the all-reduce sums the ranks' gradients in another order than one process's accumulation, a few float32
+    ulps per gradient (~1e-7 relative) that Adam carries into the weights; 1e-5 leaves ~100x room (seen: ~1e-7)."""
+    flags = tiny_data("--gradient_accumulation_steps=4", "--dropout=0.1", "--lr_decay_iters=6")
+    two = str(tmp_path / "two")
+    r = torchrun(*flags, "--compare", "--max_iters=4", f"--out_dir={two}")
+    assert r.returncode == 0, r.stderr
+    r = torchrun(*flags, "--compare", "--resume=True", "--max_iters=6", f"--out_dir={two}")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("LIMe done") == r.stdout.count("baseline done") == 1  # rank 1 prints nothing
+    assert "LIMe reaches the baseline" in r.stdout and os.path.exists(os.path.join(two, "loss_vs_flops.png"))
+    for variant in ("baseline", "lime"):
+        one = str(tmp_path / f"one_{variant}")
+        train.main(flags + [f"--lime={variant == 'lime'}", "--max_iters=6", f"--out_dir={one}"])
+        d = os.path.join(two, variant)
+        assert sorted(os.listdir(d)) == ["ckpt.pt", "log.jsonl"]
+        a, b = records(one), records(d)
+        assert [r["iter"] for r in b] == [0, 2, 4, 6]  # one writer: every record once
+        for ra, rb in zip(a, b):
+            assert (ra["tokens"], ra["flops"], ra["lr"]) == (rb["tokens"], rb["flops"], rb["lr"])  # global
+            for k in ("train_loss", "val_loss"):
+                assert (k in ra) == (k in rb) and abs(ra.get(k, 0) - rb.get(k, 0)) <= 1e-5, (ra, rb)
+        (_, ca), (_, cb) = common.load_checkpoint(one), common.load_checkpoint(d)
+        assert cb["iter_num"] == 6 and cb["config"]["lime"] == (variant == "lime")
+        assert max((ca["model"][k] - cb["model"][k]).abs().max().item() for k in ca["model"]) <= 1e-5
+        assert train.read_log(os.path.join(d, "log.jsonl"), header=True)["world_size"] == 2
+
+
+def test_train_ddp_failure_on_rank0_fails_the_job(tiny_data, tmp_path):
+    """Rank 0 can't write its checkpoint (a folder is in the way); rank 1 waits for it in a collective. The job
+    must end with rank 0's error, not hang."""
+    os.makedirs(tmp_path / "out" / "ckpt.pt")
+    r = torchrun(*tiny_data("--gradient_accumulation_steps=2", "--max_iters=4", f"--out_dir={tmp_path / 'out'}"))
+    assert r.returncode != 0 and "Is a directory" in r.stderr
+
+
+def test_train_ddp_batch_must_split_evenly(tiny_data, tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "ddp_rank_world", lambda: (0, 2))  # as if under torchrun with 2 processes
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=3 is not divisible by the 2 processes"):
+        train.main(tiny_data("--gradient_accumulation_steps=3", f"--out_dir={tmp_path / 'o'}"))
+
+
 # ----------------------------------------------------------------------------- sample.py
 
 SAMPLE_TEXT = "ROMEO: But soft, what light through yonder window breaks?\nJULIET: Ay me!\n" * 20

@@ -8,10 +8,17 @@ Train a GPT with or without LIMe, or both on identical data, and compare loss ag
     python train.py --compare --preset=gpu         # bigger model for one GPU; --preset=deep: 24 narrow layers
     python train.py --plot out-compare             # redraw the figure and summary from the logs
     python train.py --out_dir=out --resume=True    # continue a run exactly where it stopped
+    torchrun --standalone --nproc_per_node=8 train.py --preset=gpu --gradient_accumulation_steps=8
+                                                   # one model on 8 GPUs (DistributedDataParallel)
 
 Flags are nanoGPT's, written --key=value. A preset (cpu, the default; gpu; deep) sets the model size and
 schedule; flags given explicitly override it. Training FLOPs = 3 x model.flops_per_token(block_size) x tokens
 seen (2 FLOPs per multiply-add, attention over the full T x T square, see lime.py).
+
+Under torchrun the flags still describe the whole run: one optimizer step is gradient_accumulation_steps
+micro-batches of batch_size sequences in total, split evenly over the processes (so it must be divisible by
+their number), and every process trains on exactly the batches its share of a 1-process run would. Rank 0
+alone evaluates, logs, checkpoints, plots and prints.
 """
 
 import argparse
@@ -21,10 +28,14 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
+from datetime import timedelta
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import fixed_val_batches, sample_batch, save_checkpoint, setup_device
 from lime import GPT, GPTConfig
@@ -57,7 +68,8 @@ FLAGS = [  # name, type, default, help
     ("lr_decay_iters", int, None, "cosine decay ends here (default: max_iters)"),
     ("min_lr", float, None, "lr at the end of the decay (default: learning_rate / 10)"),
     ("grad_clip", float, 1.0, "clip the gradient norm to this (0 = off)"),
-    ("gradient_accumulation_steps", int, 1, "micro-batches per optimizer step"),
+    ("gradient_accumulation_steps", int, 1, "micro-batches per optimizer step, over all processes (under "
+                                            "torchrun: a multiple of their number, each takes its share)"),
     ("device", str, "auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps"),
     ("dtype", str, "auto", "auto (bfloat16 on CUDA if supported, else float16; float32 elsewhere), "
                            "float32, bfloat16, float16"),
@@ -168,6 +180,51 @@ def open_dataset(cfg):
 
 
 # -----------------------------------------------------------------------------------------------------
+# several processes: `torchrun --nproc_per_node=N train.py ...` starts N copies of this script and tells each
+# who it is through RANK (0..N-1), LOCAL_RANK (its GPU on this machine) and WORLD_SIZE (N)
+
+def setup_ddp(device):
+    """Under torchrun: join the process group (NCCL on CUDA, gloo on CPU) and silence stdout on ranks > 0.
+    Returns the device this process trains on (cuda:LOCAL_RANK on GPUs). Without torchrun: device, unchanged."""
+    if "RANK" not in os.environ:
+        return device
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = device.startswith("cuda")
+    if cuda:  # each process its own GPU, whatever --device said
+        n = torch.cuda.device_count()
+        if local_rank >= n:
+            raise ValueError(f"process {local_rank} needs GPU cuda:{local_rank}, but torch sees {n} GPU(s); "
+                             f"use torchrun --nproc_per_node={n} or fewer")
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    elif device != "cpu":
+        raise ValueError(f"--device={device} under torchrun: several processes need --device=cuda or --device=cpu")
+    # the timeout is a backstop (a collective waits at most this long): torchrun already stops every process
+    # as soon as one exits with an error, so a failing rank fails the job with its own message
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30),
+                            device_id=torch.device(device) if cuda else None)
+    if rank > 0:
+        sys.stdout = open(os.devnull, "w")  # rank 0 alone prints; errors (stderr) still show from every rank
+    return device
+
+
+def ddp_rank_world():
+    """(this process's rank, number of processes): (0, 1) without torchrun."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def from_rank0(x, device):
+    """The float x of rank 0, on every rank (the others wait here for it)."""
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.broadcast(t, 0)
+    return t.item()
+
+
+# -----------------------------------------------------------------------------------------------------
 # training
 
 def get_lr(it, cfg):
@@ -224,6 +281,12 @@ def train(cfg, explicit=()):
             raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}; {hint}")
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
         cfg = resolve(resume_config(ckpt, cfg, explicit, ckpt_path))
+    rank, world = ddp_rank_world()
+    master = rank == 0  # rank 0 alone evaluates, logs and checkpoints
+    if cfg["gradient_accumulation_steps"] % world:
+        raise ValueError(f"--gradient_accumulation_steps={cfg['gradient_accumulation_steps']} is not divisible by "
+                         f"the {world} processes: it counts the micro-batches of one step over all of them "
+                         f"(same global batch: multiply it by k and divide --batch_size by k)")
     meta, train_data, val_data = open_dataset(cfg)
     device, device_type, dtype, ctx, peak = setup_device(cfg["device"], cfg["dtype"])
 
@@ -254,41 +317,52 @@ def train(cfg, explicit=()):
             torch.cuda.set_rng_state_all(ckpt["rng_cuda"])
         iter_num, best_val, last_saved = ckpt["iter_num"], ckpt["best_val_loss"], ckpt["iter_num"]
     model = torch.compile(raw_model) if cfg["compile"] else raw_model
+    # DDP all-reduces (averages) the gradients during backward. No find_unused_parameters: every parameter
+    # gets a gradient in every backward (LIMe's routers last, in layer 0's mix), and DDP's hooks fire per
+    # parameter as each is ready
+    ddp_model = DDP(model, device_ids=[torch.device(device).index] if device_type == "cuda" else None) \
+        if dist.is_initialized() else model
 
     T, B, accum, max_iters = cfg["block_size"], cfg["batch_size"], cfg["gradient_accumulation_steps"], cfg["max_iters"]
-    tokens_per_iter = B * T * accum
+    k = accum // world  # micro-batches per step on this rank
+    tokens_per_iter = B * T * accum  # all ranks together, as are the logged tokens and FLOPs
     flops_per_iter = 3 * raw_model.flops_per_token(T) * tokens_per_iter  # training = 3 x forward
     val_batches = fixed_val_batches(val_data, T, B, cfg["eval_iters"])
     name = "LIMe" if cfg["lime"] else "baseline"
     print(f"{name}: {raw_model.get_num_params() / 1e6:.2f}M params | {flops_per_iter / tokens_per_iter / 1e6:.2f} "
           f"MFLOPs/token (train) | {tokens_per_iter:,} tokens/iter | {device} {dtype} | "
-          f"{cfg['data_dir']}/{cfg['dataset']} -> {out_dir}" + (f" | resuming at iter {iter_num}" if ckpt else ""))
+          f"{cfg['data_dir']}/{cfg['dataset']} -> {out_dir}" + (f" | {world} processes" if world > 1 else "")
+          + (f" | resuming at iter {iter_num}" if ckpt else ""))
 
-    start_log(log_path, {"config": cfg, "model_args": model_args, "n_params": raw_model.get_num_params(),
-                         "flops_per_iter": flops_per_iter, "tokens_per_iter": tokens_per_iter},
-              keep_until=iter_num if ckpt is not None else None)
-    log = open(log_path, "a")
+    log = None
+    if master:
+        start_log(log_path, {"config": cfg, "model_args": model_args, "n_params": raw_model.get_num_params(),
+                             "flops_per_iter": flops_per_iter, "tokens_per_iter": tokens_per_iter,
+                             "world_size": world}, keep_until=iter_num if ckpt is not None else None)
+        log = open(log_path, "a")
 
     def record(rec, do_eval):
         """Evaluate if asked, append rec to the log, checkpoint after an evaluation (finite states only)."""
         nonlocal best_val, last_saved
         if do_eval:
-            rec["val_loss"] = evaluate(model, val_batches, ctx, device)
+            rec["val_loss"] = from_rank0(evaluate(model, val_batches, ctx, device) if master else 0.0, device)
             if not math.isfinite(rec["val_loss"]):
                 raise NonFiniteLoss(f"val loss is {rec['val_loss']} at iteration {iter_num}")
-        log.write(json.dumps(rec) + "\n")
-        log.flush()
+        if master:
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
         if do_eval:
             best_val = min(best_val, rec["val_loss"])
             if iter_num > 0:  # (iter 0 is the initial state: nothing to save)
                 if not all(torch.isfinite(p).all() for p in raw_model.parameters()):
                     raise NonFiniteLoss(f"the weights are not finite at iteration {iter_num}")
-                save_checkpoint(dict(model_args=model_args, model=raw_model.state_dict(),
-                                     optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
-                                     iter_num=iter_num, best_val_loss=best_val, config=cfg, meta=meta,
-                                     rng_cpu=torch.get_rng_state(),
-                                     rng_cuda=torch.cuda.get_rng_state_all() if device_type == "cuda" else []),
-                                out_dir)
+                if master:
+                    save_checkpoint(dict(model_args=model_args, model=raw_model.state_dict(),
+                                         optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
+                                         iter_num=iter_num, best_val_loss=best_val, config=cfg, meta=meta,
+                                         rng_cpu=torch.get_rng_state(),
+                                         rng_cuda=torch.cuda.get_rng_state_all() if device_type == "cuda" else []),
+                                    out_dir)
                 last_saved = iter_num
             print(f"iter {iter_num}: val loss {rec['val_loss']:.4f} (best {best_val:.4f})"
                   + (" | checkpoint saved" if iter_num > 0 else ""))
@@ -304,13 +378,19 @@ def train(cfg, explicit=()):
             for g in optimizer.param_groups:  # routers follow the same schedule, scaled to their own peak
                 g["lr"] = g["peak_lr"] * lr / cfg["learning_rate"]
             step_loss = 0.0
-            for x, y in train_batches(train_data, cfg, iter_num):
+            batches = train_batches(train_data, cfg, iter_num)  # the whole step's, on every rank...
+            for i, (x, y) in enumerate(batches[rank * k:(rank + 1) * k]):  # ...each takes its own share
                 if device_type == "cuda":
                     x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-                with ctx:
-                    _, loss = model(x.to(device), y.to(device))
-                step_loss = step_loss + loss.detach().float() / accum
-                scaler.scale(loss / accum).backward()
+                if cfg["dropout"] > 0:  # masks, like the batches, a function of (seed, iter, micro-batch)
+                    torch.manual_seed(int(np.random.SeedSequence([cfg["seed"], iter_num, rank * k + i])
+                                          .generate_state(1)[0]))
+                # all-reduce the gradients once per step, in the last micro-batch's backward
+                with ddp_model.no_sync() if i < k - 1 and ddp_model is not model else nullcontext():
+                    with ctx:
+                        _, loss = ddp_model(x.to(device), y.to(device))
+                    step_loss = step_loss + loss.detach().float() / k
+                    scaler.scale(loss / k).backward()  # / k here, / world in DDP's all-reduce: mean over accum
             if cfg["grad_clip"] > 0:
                 scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg["grad_clip"])
@@ -321,7 +401,11 @@ def train(cfg, explicit=()):
             iter_num += 1
             do_eval = iter_num % cfg["eval_interval"] == 0 or iter_num == max_iters
             if iter_num % cfg["log_interval"] == 0 or do_eval:
-                values = torch.stack(losses).tolist()  # the one host-device sync per record
+                values = torch.stack(losses)
+                if world > 1:  # the mean over every rank's micro-batches (gloo has no AVG)
+                    dist.all_reduce(values)
+                    values /= world
+                values = values.tolist()  # the one host-device sync per record
                 for i, v in enumerate(values):
                     if not math.isfinite(v):
                         raise NonFiniteLoss(f"training loss is {v} at iteration {iter_num - len(values) + i}")
@@ -332,7 +416,7 @@ def train(cfg, explicit=()):
                            train_loss=sum(values) / len(values), lr=lr, ms_per_iter=1000 * dt)
                 print(f"iter {iter_num}/{max_iters} | loss {rec['train_loss']:.4f} | lr {lr:.2e} | "
                       f"{1000 * dt:.0f} ms/iter | {tokens_per_iter / dt / 1e3:.1f}k tok/s | {flops:.2e} FLOPs, "
-                      f"{flops_per_iter / dt / 1e9:.1f} GFLOP/s" + (f", MFU {flops_per_iter / dt / peak:.1%}"
+                      f"{flops_per_iter / dt / 1e9:.1f} GFLOP/s" + (f", MFU {flops_per_iter / dt / (peak * world):.1%}"
                       if peak else "") + f" | ETA {fmt_time((max_iters - iter_num) * float(np.median(recent)))}")
                 record(rec, do_eval)
                 losses, t_last = [], time.time()
@@ -341,7 +425,10 @@ def train(cfg, explicit=()):
                 else "no checkpoint was saved")
         raise NonFiniteLoss(f"{e}; stopped ({good}). Try a lower --learning_rate") from None
     finally:
-        log.close()
+        if log is not None:
+            log.close()
+    if world > 1:
+        dist.barrier()  # rank 0's last log record and checkpoint are written: every rank may read them now
     last = read_log(log_path)[-1]
     if ckpt is None or iter_num > ckpt["iter_num"]:
         print(f"{name} done: val loss {last['val_loss']:.4f} after {iter_num} iters, "
@@ -553,9 +640,11 @@ def compare(cfg, explicit=()):
     out_dir, seeds = cfg["out_dir"], [cfg["seed"] + i for i in range(cfg["seeds"])]
     if "lime" in explicit:
         print("note: --compare trains both variants; --lime is ignored")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:  # marks which seeds belong to this comparison
-        json.dump(dict(seeds=seeds, status="training"), f)
+    master = ddp_rank_world()[0] == 0
+    if master:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "summary.json"), "w") as f:  # marks which seeds belong to this comparison
+            json.dump(dict(seeds=seeds, status="training"), f)
     for i, seed in enumerate(seeds):
         for variant in ("baseline", "lime"):
             d = run_dir(out_dir, variant, i, seed)
@@ -563,6 +652,8 @@ def compare(cfg, explicit=()):
             resume = cfg["resume"] and os.path.exists(os.path.join(d, "ckpt.pt"))
             train(dict(cfg, lime=variant == "lime", seed=seed, out_dir=d, resume=resume, compare=False, seeds=1),
                   set(explicit) | {"lime", "seed"})
+    if not master:
+        return None  # rank 0 alone plots, summarizes and analyzes
     print()
     summary = report(out_dir)
     run_analyze(out_dir, cfg["device"])
@@ -579,15 +670,17 @@ def run_analyze(out_dir, device="auto"):
 
 def main(argv=None):
     cfg, explicit = get_config(argv)
-    if cfg["plot"]:
-        return report(cfg["plot"])
-    if cfg["analyze"]:
-        return run_analyze(cfg["analyze"], cfg["device"])
-    if cfg["compare"]:
-        return compare(cfg, explicit)
-    if cfg["seeds"] != 1:
+    if cfg["plot"] or cfg["analyze"]:
+        if int(os.environ.get("RANK", 0)) > 0:  # under torchrun: rank 0 alone, no process group needed
+            return None
+        return report(cfg["plot"]) if cfg["plot"] else run_analyze(cfg["analyze"], cfg["device"])
+    if cfg["seeds"] != 1 and not cfg["compare"]:
         raise ValueError("--seeds is for --compare; a single run uses --seed")
-    return train(cfg, explicit)
+    cfg["device"] = setup_ddp(cfg["device"])  # under torchrun: join the other processes, take our own GPU
+    result = compare(cfg, explicit) if cfg["compare"] else train(cfg, explicit)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return result
 
 
 if __name__ == "__main__":
