@@ -670,15 +670,17 @@ def run_analyze(out_dir, device="auto"):
 
 def main(argv=None):
     cfg, explicit = get_config(argv)
-    if cfg["plot"] or cfg["analyze"]:
-        if int(os.environ.get("RANK", 0)) > 0:  # under torchrun: rank 0 alone, no process group needed
-            return None
-        return report(cfg["plot"]) if cfg["plot"] else run_analyze(cfg["analyze"], cfg["device"])
+    if (cfg["plot"] or cfg["analyze"]) and int(os.environ.get("RANK", 0)) > 0:
+        return None  # under torchrun, rank 0 alone redraws or analyzes
+    if cfg["plot"]:
+        return report(cfg["plot"])
+    if cfg["analyze"]:
+        return run_analyze(cfg["analyze"], cfg["device"])
     if cfg["seeds"] != 1 and not cfg["compare"]:
         raise ValueError("--seeds is for --compare; a single run uses --seed")
     cfg["device"] = setup_ddp(cfg["device"])  # under torchrun: join the other processes, take our own GPU
     result = compare(cfg, explicit) if cfg["compare"] else train(cfg, explicit)
-    if dist.is_initialized():
+    if dist.is_initialized():  # (after an error, don't: torchrun stops the other processes)
         dist.destroy_process_group()
     return result
 
