@@ -7,6 +7,7 @@ The test suite: CPU, offline, a couple of minutes on 2 cores.
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from dataclasses import asdict
@@ -930,4 +931,133 @@ def test_analyze_cli_error_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, "analyze.py", str(tmp_path)], cwd=HERE, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 1 and r.stderr.startswith("error: ") and "python train.py --compare" in r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0
+
+
+# ----------------------------------------------------------------------------- analyze.py: token separability
+
+WORD_TEXT = "It is here; this is.\nis are island, is't was were? is"
+
+
+def _word_encoding():
+    # byte-level BPE made up here with GPT-2's habit of gluing the leading space to a word: " is", " are", ...
+    ranks = {bytes([i]): i for i in range(256)}
+    for m in [b" i", b" is", b" a", b" ar", b" are", b" w", b" wa", b" was", b" we", b" wer", b" were"]:
+        ranks[m] = len(ranks)
+    return tiktoken.Encoding(name="tinyw", pat_str=r""" ?\w+| ?[^\s\w]+|\s+""", mergeable_ranks=ranks,
+                             special_tokens={})
+
+
+def test_analyze_word_positions_char():
+    tok = get_tokenizer({"tokenizer": "char", "chars": sorted(set(WORD_TEXT))})
+    tokens = np.array(tok.encode(WORD_TEXT))
+    # the last character of every whole-word "is": not in "this" or "island"; "is't" and the line start count
+    assert analyze.word_positions(tokens, tok, "is").tolist() == [4, 18, 22, 37, 52]
+    assert [analyze.word_positions(tokens, tok, w).tolist() for w in ["are", "was", "were"]] == [[26], [43], [48]]
+    assert analyze.word_positions(tokens, tok, "Is").tolist() == []  # case-sensitive
+    assert analyze.word_positions(tokens, tok, "zebra").tolist() == []  # not even in the vocabulary: none
+    found = analyze.find_occurrences(tokens, tok, ["is", "are"], block_size=19)  # needs a full window: p >= 18
+    assert found["is"].tolist() == [18, 22, 37, 52] and found["are"].tolist() == [26]
+
+
+def test_analyze_word_positions_bpe():
+    enc = _word_encoding()
+    tok = get_tokenizer({"tokenizer": "tiktoken", "encoding": "tinyw"}, encoding=enc)
+    tokens = np.array(tok.encode(WORD_TEXT))
+    # " is" tokens: not " is"+"land", not "\nis" (no leading space: another token), the last token counts
+    pos = analyze.word_positions(tokens, tok, "is")
+    assert pos.tolist() == [2, 14, 26, 32] and {tok.decode([t]) for t in tokens[pos]} == {" is"}
+    assert tok.decode([tokens[21]]) == "l" and tokens[20] == tokens[2]  # the " is" of " island" exists, dropped
+    assert [analyze.word_positions(tokens, tok, w).tolist() for w in ["are", "was", "were"]] == [[19], [29], [30]]
+    with pytest.raises(analyze.CantProbe, match="' here' is 5 BPE tokens"):
+        analyze.word_positions(tokens, tok, "here")
+
+
+def test_analyze_balanced_sample_and_folds_deterministic():
+    found = {"a": np.arange(0, 100, 2), "b": np.arange(1, 61, 2), "c": 3 * np.arange(40) + 1000}  # 50, 30, 40
+    pos, labels, n = analyze.balanced_sample(found, seed=3)
+    assert n == 30 and np.bincount(labels).tolist() == [30, 30, 30] and len(pos) == 90
+    for i, p in enumerate(found.values()):
+        chosen = pos[labels == i]
+        assert len(set(chosen)) == 30 and set(chosen) <= set(p) and (np.diff(chosen) > 0).all()
+    again = analyze.balanced_sample(found, seed=3)
+    assert (again[0] == pos).all() and (again[1] == labels).all()
+    assert (analyze.balanced_sample(found, seed=4)[0] != pos).any()
+    assert analyze.balanced_sample(found, seed=3, max_per_word=10)[2] == 10
+    with pytest.raises(analyze.CantProbe, match=r"'b': 24, 'c': 40; at least 25 of each"):
+        analyze.balanced_sample(dict(found, b=np.arange(24)), seed=3)
+
+    labels = np.repeat(np.arange(3), [30, 30, 7])
+    folds = analyze.stratified_folds(labels, 5, seed=3)
+    assert (folds == analyze.stratified_folds(labels, 5, seed=3)).all()
+    assert (folds != analyze.stratified_folds(labels, 5, seed=4)).any()
+    for c, per_fold in [(0, [6] * 5), (1, [6] * 5), (2, [2, 2, 1, 1, 1])]:  # every class spread evenly
+        assert np.bincount(folds[labels == c], minlength=5).tolist() == per_fold
+
+
+def test_analyze_logistic_regression_converges():
+    g = torch.Generator().manual_seed(0)
+    X, y = torch.randn(2, 60, 10, generator=g, dtype=torch.float64), torch.arange(60) % 3
+    train = torch.stack([torch.arange(60) < 40, torch.arange(60) >= 15])  # two problems, fitted together
+    W, b = analyze.logistic_regression(X, y, train, 3, l2=1e-2)
+    for p in range(2):                                   # each at the minimum of ITS penalised objective
+        Wp, bp = W[p].clone().requires_grad_(), b[p].clone().requires_grad_()
+        loss = (torch.nn.functional.cross_entropy(X[p][train[p]] @ Wp + bp, y[train[p]])
+                + 0.5 * 1e-2 * (Wp ** 2).sum())
+        gW, gb = torch.autograd.grad(loss, (Wp, bp))
+        assert max(gW.abs().max(), gb.abs().max()) < 1e-5 and Wp.abs().max() > 0.1  # (not stuck at the zero start)
+
+
+def test_analyze_cv_accuracy_separable_and_independent():
+    g = torch.Generator().manual_seed(0)
+    labels = np.repeat(np.arange(4), 100)                   # 4 balanced classes of 100
+    folds = analyze.stratified_folds(labels, 5, seed=0)
+    # separable: class c sits at 10 * e_c plus unit noise, far apart in 16 dims -> every fold is perfect
+    X = 10 * torch.nn.functional.one_hot(torch.as_tensor(labels), 16).double() + torch.randn(400, 16, generator=g)
+    assert analyze.cv_accuracy(X, labels, folds) == [1.0] * 5
+    # independent of the labels: each of the 400 held-out predictions is right with probability 1/4, so the
+    # mean accuracy is Binomial(400, 1/4) / 400, sd sqrt(1/4 * 3/4 / 400) = 0.022; 4 sd = 0.087
+    acc = analyze.cv_accuracy(torch.randn(400, 16, generator=g, dtype=torch.float64), labels, folds)
+    assert abs(np.mean(acc) - 0.25) < 0.087
+
+
+SEP_TEXT = " ".join(np.random.default_rng(0).choice(["it is so.", "they are so.", "it was so.", "they were so."],
+                                                    500).tolist())  # ~6 KB, ~125 of each word
+
+
+def test_analyze_compare_separability(tmp_path, capsys):
+    out, data = tmp_path / "out", str(tmp_path / "data" / "words")
+    prepare(SEP_TEXT, data, tokenizer="char", val_fraction=0.5)
+    make_run(str(out / "baseline"), data, lime=False)
+    make_run(str(out / "lime"), data, lime=True)
+    result = analyze.analyze_compare(str(out), words=["is", "was", "were"], seed=1)
+    printed = capsys.readouterr().out
+    with open(out / "separability.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "separability.png: last layer accuracy, values: baseline" in printed
+    saved = json.load(open(out / "analysis.json"))["separability"]
+    assert saved == json.loads(json.dumps(result["separability"])) and saved["skipped"] == {} and saved["seed"] == 1
+    val = get_tokenizer(load_meta(data)).decode(load_tokens(data, "val"))
+    for run in ["baseline", "lime"]:
+        r = saved["per_run"][run]
+        # every whole word in the val text, less those within the first block_size - 1 = 15 characters
+        assert r["found"] == {w: sum(m.end() > 15 for m in re.finditer(rf"\b{w}\b", val)) for w in saved["words"]}
+        assert r["per_word"] == min(r["found"].values()) >= analyze.MIN_PER_WORD
+        for kind in ["values", "hidden"]:
+            assert len(r[kind]["mean"]) == len(r[kind]["std"]) == 3
+            assert all(0 <= m <= 1 for m in r[kind]["mean"]) and all(0 <= s <= 0.5 for s in r[kind]["std"])
+
+
+def test_analyze_separability_too_rare(tmp_path, capsys):
+    out, data = tmp_path / "out", str(tmp_path / "data" / "tiny")  # ANALYZE_TEXT has none of the words
+    make_run(str(out / "lime"), data, lime=True)
+    saved = analyze.analyze_compare(str(out / "lime"))["separability"]       # default words: a note, no figure
+    assert "'is': 0" in saved["skipped"][os.path.normpath(str(out / "lime"))] and saved["per_run"] == {}
+    assert "note: no token separability" in capsys.readouterr().err and not os.path.exists(out / "lime" / "separability.png")
+    for bad in ["is", "is,is", "is,,are", "is,are you"]:
+        with pytest.raises(ValueError, match="at least two distinct words"):
+            analyze.parse_words(bad)
+    r = subprocess.run([sys.executable, "analyze.py", str(out / "lime"), "--words=speak,hear"], cwd=HERE,  # explicit
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stderr.startswith("error: token separability of ") and "'hear': 3;" in r.stderr
     assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0
