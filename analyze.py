@@ -76,18 +76,25 @@ def router_shares(model_or_routers):
 # -----------------------------------------------------------------------------
 # value entropy
 
-def _eigvalsh(G):
-    """torch.linalg.eigvalsh, on one CPU thread: as fast for these small matrices, and MKL's multithreaded
-    version slows down 100x+ when the cores are busy (16 x 128^2 took 11-22 s with 2 threads while a
-    training run shared the 2 cores, 0.03 s with one)."""
-    if G.device.type != "cpu":
-        return torch.linalg.eigvalsh(G)
+@contextmanager
+def one_thread():
+    """Run torch's CPU ops on one thread inside: as fast for the small matrices of these analyses, and MKL's
+    multithreaded kernels slow down 100x+ when the cores are busy (eigvalsh of 16 x 128^2 took 11-22 s with
+    2 threads while a training run shared the 2 cores, 0.03 s with one)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return torch.linalg.eigvalsh(G)
+        yield
     finally:
         torch.set_num_threads(n)
+
+
+def _eigvalsh(G):
+    """torch.linalg.eigvalsh, on one CPU thread (see one_thread)."""
+    if G.device.type != "cpu":
+        return torch.linalg.eigvalsh(G)
+    with one_thread():
+        return torch.linalg.eigvalsh(G)
 
 
 def renyi_entropy(Z, alpha=0.5):
@@ -275,13 +282,14 @@ def cv_accuracy(X, y, folds, l2=L2):
     X, y, folds = torch.as_tensor(X, dtype=torch.float64), torch.as_tensor(y), torch.as_tensor(folds)
     k = int(folds.max()) + 1
     train = folds != torch.arange(k)[:, None]                         # (k, N): fold f trains on the others
-    Z = []
-    for t in train:
-        mu, sd = X[t].mean(0), X[t].std(0, correction=0).clamp_min(1e-12)  # (d,), (d,)
-        Z.append((X - mu) / sd)
-    Z = torch.stack(Z)                                                # (k, N, d)
-    W, b = logistic_regression(Z, y, train, int(y.max()) + 1, l2)
-    right = ((Z @ W + b[:, None]).argmax(-1) == y) & ~train          # (k, N): right on the held-out fold
+    with one_thread():
+        Z = []
+        for t in train:
+            mu, sd = X[t].mean(0), X[t].std(0, correction=0).clamp_min(1e-12)  # (d,), (d,)
+            Z.append((X - mu) / sd)
+        Z = torch.stack(Z)                                            # (k, N, d)
+        W, b = logistic_regression(Z, y, train, int(y.max()) + 1, l2)
+        right = ((Z @ W + b[:, None]).argmax(-1) == y) & ~train      # (k, N): right on the held-out fold
     return (right.sum(1).double() / (~train).sum(1)).tolist()
 
 
@@ -294,7 +302,7 @@ def word_features(model, tokens, positions, batch_size=64):
     T, device = model.config.block_size, next(model.parameters()).device
     windows = np.asarray(positions)[:, None] + np.arange(1 - T, 1)              # (N, T) token positions
     feats = dict(values=[[] for _ in model.transformer.h], hidden=[[] for _ in model.transformer.h])
-    with probes(model) as got:
+    with probes(model) as got, one_thread():  # 3x faster on the quick-start model when the cores are busy
         for i in range(0, len(windows), batch_size):
             x = torch.from_numpy(np.asarray(tokens)[windows[i:i + batch_size]].astype(np.int64))  # (B, T)
             model(x.to(device))
