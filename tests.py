@@ -1131,6 +1131,11 @@ def test_analyze_compare_separability(tmp_path, capsys):
         for kind in ["values", "hidden"]:
             assert len(r[kind]["mean"]) == len(r[kind]["std"]) == 3
             assert all(0 <= m <= 1 for m in r[kind]["mean"]) and all(0 <= s <= 0.5 for s in r[kind]["std"])
+        # known answer: layer 0's values see only the token at the word's last character (no router there),
+        # "s" for is/was, "e" for were: "were" is always right, is/was are one point, so one of the two is
+        # (2/3 exactly, up to rounding noise deciding the tie). The space after the word would give 1/3,
+        # the character before it ("i", "a", "r") 1.0
+        assert abs(r["values"]["mean"][0] - 2 / 3) < 0.1
 
 
 def test_analyze_separability_too_rare(tmp_path, capsys):
