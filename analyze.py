@@ -395,7 +395,7 @@ def plot_separability(curves, path, title, chance):
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"{FOLDS}-fold CV accuracy (mean ± std)")
     axes[0].set_ylim(0, 1.02)
-    axes[1].legend(fontsize=8)
+    axes[1].legend(fontsize=8, loc="lower right")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
