@@ -778,6 +778,22 @@ def test_train_cli_error_is_one_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: no dataset at") and "prepare_data.py" in lines[0]
 
 
+def test_train_progress_reaches_a_pipe_while_running(tiny_data, tmp_path):
+    """`python train.py ... > log` then `tail -f log`: stdout is line-buffered, so the header line is
+    readable while the run is still going (block-buffered, it would arrive only at exit)."""
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), *tiny_data(
+        "--max_iters=400", "--eval_interval=400", "--log_interval=400", f"--out_dir={tmp_path / 'o'}")],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"})  # (as a user's shell has it)
+    try:
+        first = p.stdout.readline()
+        assert first.startswith("baseline: ")
+        assert not os.path.exists(tmp_path / "o" / "ckpt.pt")  # (saved at iteration 400, the end)
+    finally:
+        p.kill()
+        p.wait()
+
+
 def test_train_compare_two_seeds(tiny_data, tmp_path, monkeypatch):
     analyzed = []
     monkeypatch.setattr(train, "run_analyze", lambda out_dir, device="auto": analyzed.append(out_dir))
