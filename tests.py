@@ -678,8 +678,10 @@ def test_train_nan_loss_keeps_last_good_checkpoint(tiny_data, tmp_path, monkeypa
 
     monkeypatch.setattr(GPT, "forward", nan_after_6_steps)
     out = str(tmp_path / "nan")
-    with pytest.raises(train.NonFiniteLoss, match="training loss is nan at iteration 6.*iter 4"):
+    # steps 1..6 of the log are fine, step 7 is the first NaN: counted from 1, as the log counts
+    with pytest.raises(train.NonFiniteLoss, match="training loss is nan at iteration 7.*iter 4"):
         train.main(tiny_data("--max_iters=10", f"--out_dir={out}"))
+    assert records(out)[-1]["iter"] == 6 and math.isfinite(records(out)[-1]["train_loss"])
     assert issubclass(train.NonFiniteLoss, ValueError)  # so __main__ prints one line and exits 1
     _, ckpt = common.load_checkpoint(out)
     assert ckpt["iter_num"] == 4 and all(torch.isfinite(t).all() for t in ckpt["model"].values())
