@@ -80,7 +80,7 @@ def read_checkpoint(path, device="cpu", keys=("model_args", "model")):
         raise ValueError(f"{bad}: it is a folder; {fix}")
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
-    except OSError:  # missing, unreadable: the system's message says it best
+    except (FileNotFoundError, PermissionError):  # the system's message says it best
         raise
     except Exception as e:  # a truncated zip, an empty file, a foreign pickle: all the same to a user
         raise ValueError(f"{bad}: torch.load can't read it ({type(e).__name__}; is it empty, truncated, or not "

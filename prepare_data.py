@@ -47,7 +47,10 @@ def atomic_file(path, mode="w"):
     """`with atomic_file(path) as f:` writes a fresh temp file next to path (a unique name, created
     exclusively, so never through a symlink someone left there), renamed over path only when the block
     succeeds. path is always either the old file or the whole new one; the temp file never stays behind."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    except OSError as e:  # name the file we meant to write, not the temp name
+        raise OSError(e.errno, e.strerror, path) from None
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
