@@ -4,14 +4,15 @@ Train a GPT with or without LIMe, or both on identical data, and compare loss ag
     python prepare_data.py                         # once: makes data/quickstart
     python train.py --compare                      # baseline, then LIMe: ~4 min on 2 CPU cores -> out-compare/
     python train.py --lime=True --out_dir=out-lime # one variant
-    python train.py --compare --seeds=3            # 3 seeds per variant: mean curves with min-max bands
-    python train.py --compare --preset=gpu         # bigger model for one GPU; --preset=deep: 24 narrow layers
+    python train.py --compare --seeds=3 --out_dir=out-seeds   # 3 seeds per variant: mean curves, min-max bands
+    python train.py --compare --preset=gpu --out_dir=out-gpu  # bigger model for one GPU; --preset=deep: 24 narrow layers
     python train.py --plot out-compare             # redraw the figure and summary from the logs
     python train.py --out_dir=out --resume=True    # continue a run exactly where it stopped
 
 Flags are nanoGPT's, written --key=value. A preset (cpu, the default; gpu; deep) sets the model size and
 schedule; flags given explicitly override it. Training FLOPs = 3 x model.flops_per_token(block_size) x tokens
-seen (2 FLOPs per multiply-add, attention over the full T x T square, see lime.py).
+seen (2 FLOPs per multiply-add, attention over the full T x T square, see lime.py). An out_dir that holds a
+run is never overwritten: continue it with --resume=True, or delete it to start over.
 """
 
 import argparse
