@@ -48,7 +48,8 @@ def atomic_file(path, mode="w"):
     exclusively, so never through a symlink someone left there), renamed over path only when the block
     succeeds. path is always either the old file or the whole new one; the temp file never stays behind."""
     try:
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.",
+                                   suffix=".tmp")
     except OSError as e:  # name the file we meant to write, not the temp name
         raise OSError(e.errno, e.strerror, path) from None
     try:
@@ -335,8 +336,9 @@ def main(argv=None):
     meta = prepare(text, out_dir, args.tokenizer, args.val_fraction, source, encoding)
     changed = [k for k in ("source", "n_chars", "tokenizer", "vocab_size") if before and before.get(k) != meta[k]]
     if changed:  # runs trained on the old data can't --resume or be analysed on this one (they'd refuse)
-        print(f"note: replaced {out_dir}, which held other data ({', '.join(f'{k}={before.get(k)!r}' for k in changed)}); "
-              f"runs trained on that data can no longer be resumed or analysed")
+        was = ", ".join(f"{k}={before.get(k)!r}" for k in changed)
+        print(f"note: replaced {out_dir}, which held other data ({was}); runs trained on that data can no longer "
+              f"be resumed or analysed")
     print(f"{out_dir}: {source} | {meta['n_chars']:,} chars | vocab {meta['vocab_size']:,} ({meta['tokenizer']}) | "
           f"train {meta['train_tokens']:,} / val {meta['val_tokens']:,} tokens ({meta['dtype']})")
     return meta

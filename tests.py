@@ -521,8 +521,8 @@ def test_data_replacing_other_data_says_so(tmp_path, capsys):
     prepare_data.main([f"--input={tmp_path / 'a.txt'}", "--name=x", f"--data_dir={tmp_path}"])
     assert "note" not in capsys.readouterr().out  # the same data again: nothing to say
     prepare_data.main([f"--input={tmp_path / 'b.txt'}", "--name=x", f"--data_dir={tmp_path}"])
-    assert re.search(rf"note: replaced .*x, which held other data \(source='files: .*a.txt', n_chars={len(DATA_TEXT)}\)",
-                     capsys.readouterr().out)
+    assert re.search(rf"note: replaced .*x, which held other data \(source='files: .*a.txt', "
+                     rf"n_chars={len(DATA_TEXT)}\)", capsys.readouterr().out)
 
 
 def test_data_read_only_folder_changes_nothing(tmp_path, monkeypatch, capsys):
@@ -790,7 +790,8 @@ def test_train_temp_files_are_unique_and_exclusive(tmp_path, monkeypatch, write,
     with pytest.raises(ZeroDivisionError), prepare_data.atomic_file(str(d / write)) as f:
         f.write("half")
         1 / 0
-    assert os.path.getsize(d / write) > 4 and sorted(os.listdir(d)) == sorted([write, old_tmp])  # a failed write: old file kept
+    assert os.path.getsize(d / write) > 4  # a failed write keeps the old file, and leaves no temp file
+    assert sorted(os.listdir(d)) == sorted([write, old_tmp])
 
 
 def test_train_bad_input(tiny_data, tmp_path):
@@ -948,9 +949,9 @@ def test_train_compare_two_seeds(tiny_data, tmp_path, monkeypatch):
         assert ckpt["config"]["lime"] == lime and ckpt["config"]["seed"] == seed and ckpt["iter_num"] == 4
     before = open(os.path.join(out, "lime", "log.jsonl")).read()
     summary = open(os.path.join(out, "summary.json")).read()
-    with pytest.raises(ValueError, match=re.escape(f"{out} already holds a comparison (summary.json, loss_vs_flops.png, "
-                                                   f"baseline, lime, baseline_seed6, lime_seed6); continue it with "
-                                                   f"--compare --resume=True, or use a new --out_dir")):
+    with pytest.raises(ValueError, match=re.escape(f"{out} already holds a comparison (summary.json, loss_vs_flops"
+                                                   f".png, baseline, lime, baseline_seed6, lime_seed6); continue it "
+                                                   f"with --compare --resume=True, or use a new --out_dir")):
         train.main(tiny_data("--compare", "--seeds=2", "--max_iters=4", f"--out_dir={out}", "--seed=5"))
     assert open(os.path.join(out, "summary.json")).read() == summary
     os.remove(os.path.join(out, "lime_seed6", "ckpt.pt"))  # as if killed before its first checkpoint: starts over
@@ -1195,8 +1196,8 @@ def test_analyze_refuses_re_prepared_dataset(tmp_path):
     make_run(str(out / "baseline"), data, lime=False)
     make_run(str(out / "lime"), data, lime=True)
     prepare(ANALYZE_TEXT * 2, data)  # the same characters (so the same vocab), other text
-    with pytest.raises(ValueError, match=re.escape(f"{data} is no longer the dataset {out / 'baseline' / 'ckpt.pt'} was "
-                                                   f"trained on (n_chars: {len(ANALYZE_TEXT)} then, "
+    with pytest.raises(ValueError, match=re.escape(f"{data} is no longer the dataset {out / 'baseline' / 'ckpt.pt'} "
+                                                   f"was trained on (n_chars: {len(ANALYZE_TEXT)} then, "
                                                    f"{2 * len(ANALYZE_TEXT)} now")):
         analyze.analyze_compare(str(out))
     assert sorted(os.listdir(out)) == ["baseline", "lime"]  # no figures drawn from the wrong data

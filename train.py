@@ -205,7 +205,7 @@ def evaluate(model, batches, ctx, device):
 def resume_config(ckpt, cfg, explicit, path):
     """The checkpoint's config, with runtime flags and explicitly given flags from cfg. Raises ValueError
     naming the field if an explicit flag contradicts the checkpoint."""
-    missing = [k for k in RESUME_FIXED if k not in ckpt["config"]] if isinstance(ckpt["config"], dict) else ["all"]
+    missing = [k for k in RESUME_FIXED if not isinstance(ckpt["config"], dict) or k not in ckpt["config"]]
     if missing:
         raise ValueError(f"{path} is not a usable checkpoint: its config lacks {', '.join(missing)} (not written "
                          f"by train.py?); restore it, or train a new run into a fresh --out_dir")
@@ -617,7 +617,8 @@ def report(out_dir):
         where = f"iter {old['iter']}" if "iter" in old else f"{prev:.3e} baseline FLOPs"
         raise ValueError(f"not replacing {out_dir}/summary.json and loss_vs_flops.png: they compare the runs at "
                          f"{where}, further than the logs now reach ({ends}). Let the runs finish (python train.py "
-                         f"--compare --resume=True --out_dir={out_dir}), or delete summary.json to plot them as they are")
+                         f"--compare --resume=True --out_dir={out_dir}), or delete summary.json to plot them as "
+                         f"they are")
     h, title = read_log(os.path.join(runs[0][1], "log.jsonl"), header=True), ""
     if h:
         c = h["config"]
@@ -642,9 +643,9 @@ def compare(cfg, explicit=()):
     out_dir, seeds = cfg["out_dir"], [cfg["seed"] + i for i in range(cfg["seeds"])]
     if "lime" in explicit:
         print("note: --compare trains both variants; --lime is ignored")
-    found = [f for f in ("summary.json", "loss_vs_flops.png") if os.path.exists(os.path.join(out_dir, f))] + [
-        os.path.basename(d) for i, s in enumerate(seeds) for d in (run_dir(out_dir, v, i, s) for v in ("baseline", "lime"))
-        if run_files(d)]
+    dirs = [run_dir(out_dir, v, i, s) for i, s in enumerate(seeds) for v in ("baseline", "lime")]
+    found = [f for f in ("summary.json", "loss_vs_flops.png") if os.path.exists(os.path.join(out_dir, f))] + \
+        [os.path.basename(d) for d in dirs if run_files(d)]
     if found and not cfg["resume"]:  # never replace a comparison's runs and results without being asked
         raise ValueError(f"{out_dir} already holds a comparison ({', '.join(found)}); continue it with --compare "
                          f"--resume=True, or use a new --out_dir (to start over, delete {out_dir} first)")
