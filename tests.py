@@ -28,7 +28,7 @@ import prepare_data
 import sample
 import train
 from analyze import head_shares, renyi_entropy, router_shares, standardize
-from lime import GPT, GPTConfig, lime_mix_reference
+from lime import GPT, GPTConfig, KVStack, PlainMix
 from prepare_data import get_tokenizer, load_meta, load_tokens, prepare
 from common import save_checkpoint
 
@@ -135,19 +135,25 @@ def test_router_gradients_and_optimizer_groups():
 
 @pytest.mark.parametrize("L,block", [(1, 8), (2, 8), (4, 8), (7, 2), (7, 3), (9, 4)])
 def test_fast_mix_matches_reference_formula(L, block):
-    """The buffer-based mix (values and gradients of inputs and routers) against the plain formula."""
+    """The buffer-based mix (values and gradients of inputs and routers) against the plain formula,
+    written out here once more with explicit loops over heads so the test does not trust lime_mix."""
     torch.manual_seed(0)
     B, T, H, hd = 2, 5, 3, 4
     kvs = [torch.randn(B, T, 2, H, hd, dtype=torch.float64, requires_grad=True) for _ in range(L)]
     Ws = [None] + [torch.randn(H, (l + 1) * H, dtype=torch.float64, requires_grad=True)
                    for l in range(1, L)]
-    from lime import KVStack, _LimeMix
-    stack = KVStack(Ws[1:], block=block)
-    fast = [_LimeMix.apply(kv, stack, l, *(Ws[1:] if l == 0 else ())) for l, kv in enumerate(kvs)]  # (k, v)
-    fast = [torch.stack([k, v], dim=2).transpose(1, 3) for k, v in fast]                # (B, T, 2, H, hd)
-    ref_k = lime_mix_reference([kv[:, :, 0] for kv in kvs], Ws)
-    ref_v = lime_mix_reference([kv[:, :, 1] for kv in kvs], Ws)
-    ref = [torch.stack([k, v], dim=2) for k, v in zip(ref_k, ref_v)]
+    stack = KVStack(Ws[1:], {}, block=block)
+    plain = PlainMix(Ws[1:])
+    fast, via_plain = [], []
+    for l, kv in enumerate(kvs):
+        for mix, out in ((stack, fast), (plain, via_plain)):
+            k, v = mix(l, kv)                                                   # (B, H, T, hd) each
+            out.append(torch.stack([k, v], dim=2).transpose(1, 3))              # (B, T, 2, H, hd)
+    heads = [kv[:, :, :, h] for kv in kvs for h in range(H)]                    # layer-major, (B, T, 2, hd)
+    ref = [kvs[0]] + [torch.stack([sum(Ws[l][r, j] * heads[j] for j in range((l + 1) * H)) for r in range(H)],
+                                  dim=3) for l in range(1, L)]                  # (B, T, 2, H, hd)
+    for f, p, r in zip(fast, via_plain, ref):
+        assert torch.allclose(p, r, atol=1e-12)
     coef = [torch.randn_like(r) for r in ref]
     loss_fast = sum((f * c).sum() for f, c in zip(fast, coef))
     loss_ref = sum((r * c).sum() for r, c in zip(ref, coef))
@@ -161,10 +167,9 @@ def test_fast_mix_matches_reference_formula(L, block):
 
 
 def test_reused_gradient_buffer_and_bf16_autocast():
-    """Backward reuses its scratch gradient buffer from the previous step (KVStack.spare): gradients must
+    """Backward reuses its scratch gradient buffer from the previous step (model.kv_scratch): gradients must
     not depend on it, also when the batch shape changes. Under bf16 autocast (the CUDA training path)
     the router gradients stay fp32 and close to the fp32 ones."""
-    from lime import KVStack
     model = make(True, n_layer=9)
     randomize_routers(model)
 
@@ -174,13 +179,12 @@ def test_reused_gradient_buffer_and_bf16_autocast():
         return [W.grad.clone() for W in routers(model)]
 
     a, b = torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (3, 16))
-    KVStack.spare = None
     fresh = grads(a)
-    assert KVStack.spare is not None
-    KVStack.spare.fill_(float("nan"))                # poison the buffer the next backward reuses
+    assert model.kv_scratch["grad"].shape[0] == 2
+    model.kv_scratch["grad"].fill_(float("nan"))     # poison the buffer the next backward reuses
     assert all(torch.equal(x, y) for x, y in zip(grads(a), fresh))
     grads(b)                                         # another shape: a new buffer
-    assert KVStack.spare.shape[0] == 3
+    assert model.kv_scratch["grad"].shape[0] == 3
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(a, a)[1]
     model.zero_grad()
@@ -188,6 +192,64 @@ def test_reused_gradient_buffer_and_bf16_autocast():
     for W, g in zip(routers(model), fresh):
         assert W.grad.dtype == torch.float32
         assert (W.grad - g).norm() < 0.05 * g.norm()
+
+
+def test_plain_and_fused_paths_agree():
+    """GPTConfig.fused_mix=False runs the plain formula (PlainMix): same logits and gradients as the fused
+    path in float64, and the same short training curve in float32 (to rounding: the two sum in other orders)."""
+    idx = torch.randint(0, 61, (3, 16))
+    outs = []
+    for fused in (True, False):
+        model = make(True, dtype=torch.float64, n_layer=7, fused_mix=fused)
+        randomize_routers(model)
+        logits, loss = model(idx, idx)
+        loss.backward()
+        outs.append((logits, [p.grad for p in model.parameters()]))
+    (l1, g1), (l2, g2) = outs
+    assert torch.allclose(l1, l2, atol=1e-12, rtol=0)
+    assert all(torch.allclose(a, b, atol=1e-12, rtol=0) for a, b in zip(g1, g2))
+    x = torch.randint(0, 61, (4, 16), generator=torch.Generator().manual_seed(0))
+    curves = []
+    for fused in (True, False):
+        model = make(True, n_layer=5, fused_mix=fused)
+        curves.append(train_steps(model, [x] * 8))
+    assert curves[0][-1] < curves[0][0] - 0.5                   # it does learn (one batch, overfit)
+    assert np.allclose(curves[0], curves[1], atol=1e-5, rtol=0)
+
+
+def train_steps(model, batches, lr=3e-3):
+    """AdamW steps on next-token targets of the given batches; returns the losses. The optimizer lives on
+    the model (made on first use), so steps of one model can be interleaved with another's."""
+    if not hasattr(model, "_test_opt"):
+        model._test_opt = model.configure_optimizers(0.1, lr)
+    losses = []
+    for x in batches:
+        loss = model(x, x.roll(-1, 1))[1]
+        model._test_opt.zero_grad()
+        loss.backward()
+        model._test_opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_two_models_interleaved_train_as_alone():
+    """No state is shared between models: two LIMe models of different shapes (so different scratch
+    buffers) stepping in turn end bit-identical to each trained alone on the same batches."""
+    shapes = [dict(n_layer=7), dict(n_layer=3, n_head=2)]
+    data = [[torch.randint(0, 61, (2 + i, 16), generator=torch.Generator().manual_seed(10 * i + s))
+             for s in range(3)] for i in range(2)]
+    alone = [make(True, **s) for s in shapes]
+    for m, batches in zip(alone, data):
+        train_steps(m, batches)
+    together = [make(True, **s) for s in shapes]
+    for s in range(3):
+        for m, batches in zip(together, data):
+            train_steps(m, [batches[s]])
+    for a, b in zip(alone, together):
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(routers(together[0])[0], routers(make(True, **shapes[0]))[0])  # they did train
+    for m, s, B in zip(together, shapes, (2, 3)):  # each keeps its own buffer: (B, 2, L, H, T, hd)
+        assert m.kv_scratch["grad"].shape[:4] == (B, 2, s["n_layer"], s.get("n_head", 4))
 
 
 def test_lime_model_gradcheck():
@@ -217,19 +279,23 @@ def test_lime_model_gradcheck():
 
 def test_activation_memory_linear_in_depth():
     """LIMe keeps each layer's raw K/V once: its extra saved bytes grow linearly with depth, at most
-    one raw K/V buffer (2 * B * T * C floats) per layer."""
+    one raw K/V buffer (2 * B * T * C floats) per layer. The plain formula (fused_mix=False) keeps every
+    concatenation of layers 0..l instead: its extra grows with depth squared."""
     from bench import saved_activation_bytes
     B, T, C = 2, 16, 32
-    extra = []
+    extra, plain = [], []
     for L in (2, 4, 8):
         act = []
-        for lime in (False, True):
-            model = make(lime, n_layer=L)
+        for lime, fused in ((False, True), (True, True), (True, False)):
+            model = make(lime, n_layer=L, fused_mix=fused)
             idx = torch.randint(0, 61, (B, T))
             act.append(saved_activation_bytes(lambda: model(idx, idx), list(model.parameters()))[0])
         extra.append(act[1] - act[0])
+        plain.append(act[2] - act[0])
         assert 0 < act[1] - act[0] <= L * 2 * B * T * C * 4
     assert extra[2] - extra[1] == 2 * (extra[1] - extra[0])  # exactly linear in L
+    assert plain[2] - plain[1] > 3 * (plain[1] - plain[0])    # quadratic: L=2,4,8 -> differences grow ~4x
+    assert plain[2] > 2 * extra[2]
 
 
 def test_bench_saved_bytes_known_case():
@@ -335,6 +401,28 @@ def test_bad_config_and_inputs():
         model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 7, dtype=torch.long))
     with pytest.raises(ValueError, match="batch, time"):
         model(torch.zeros(8, dtype=torch.long))
+
+
+def test_scripts_import_one_way():
+    """Scripts share lime.py, prepare_data.py and common.py, never import each other (no cycles); common.py
+    builds on lime.py and prepare_data.py (for atomic_file) alone, and lime.py imports no script and no I/O
+    or argument-parsing module."""
+    import ast
+    allowed = {"lime", "prepare_data", "common"}
+    scripts = {"train", "sample", "analyze", "bench", "prepare_data", "common", "lime"}
+    for name in scripts:
+        tree = ast.parse(open(os.path.join(HERE, f"{name}.py")).read())
+        imported = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module}
+        own = imported & scripts
+        assert own <= allowed - {name}, f"{name}.py imports {own - allowed}"
+        if name == "lime":
+            assert own == set() and not imported & {"argparse", "os", "json", "pickle"}
+        if name == "common":
+            assert own <= {"lime", "prepare_data"}
+        if name == "prepare_data":  # the base of the others: no model, so no torch needed to prepare data
+            assert own == set()
 
 
 # ----------------------------------------------------------------------------- prepare_data.py: corpora, tokenizers, dataset files

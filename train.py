@@ -47,6 +47,8 @@ FLAGS = [  # name, type, default, help
     ("n_embd", int, None, "model width"),
     ("dropout", float, 0.0, "dropout rate"),
     ("lime", bool, False, "True: LIMe (mix keys/values of all earlier layers); False: baseline"),
+    ("fused_mix", bool, True, "LIMe's mix: True the fast shared-buffer path; False the plain formula, layer "
+                              "by layer (same numbers; slower, O(n_layer^2) memory: for reading and checking)"),
     ("max_iters", int, None, "optimizer steps"),
     ("eval_interval", int, None, "evaluate (and checkpoint) every this many steps, and at the end"),
     ("eval_iters", int, None, "fixed validation batches per evaluation"),
@@ -88,7 +90,7 @@ PRESETS = {
                  eval_interval=100, eval_iters=10, log_interval=20, warmup_iters=50, learning_rate=2e-3),
 }
 # taken from the command line even on --resume (how to run, not what to train)
-RUNTIME = {"out_dir", "device", "dtype", "compile", "resume", "compare", "seeds", "plot", "analyze", "preset"}
+RUNTIME = {"out_dir", "device", "dtype", "compile", "fused_mix", "resume", "compare", "seeds", "plot", "analyze", "preset"}
 # on --resume these must match the checkpoint if given explicitly: the run would no longer be the same run
 RESUME_FIXED = ["dataset", "n_layer", "n_head", "n_embd", "block_size", "lime", "seed", "batch_size",
                 "gradient_accumulation_steps"]
@@ -269,10 +271,10 @@ def train(cfg, explicit=()):
     torch.manual_seed(cfg["seed"])  # right before the model: same non-router init with and without LIMe
     model_args = asdict(GPTConfig(vocab_size=meta["vocab_size"], block_size=cfg["block_size"],
                                   n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"],
-                                  dropout=cfg["dropout"], lime=cfg["lime"]))
+                                  dropout=cfg["dropout"], lime=cfg["lime"], fused_mix=cfg["fused_mix"]))
     if ckpt is not None:
         for k, v in ckpt["model_args"].items():
-            if k != "dropout" and model_args.get(k) != v:  # e.g. the dataset was re-prepared with another vocab
+            if k not in ("dropout", "fused_mix") and model_args.get(k) != v:  # e.g. the data was re-prepared
                 raise ValueError(f"can't resume from {ckpt_path}: model {k} differs (checkpoint has {v!r}, "
                                  f"now {model_args.get(k)!r})")
     raw_model = GPT(GPTConfig(**model_args)).to(device)
