@@ -828,6 +828,11 @@ def test_train_plot_compares_like_with_like(tmp_path, capsys):
     assert s["iter"] == 1 and s["per_seed"][0]["baseline_val_loss"] == 3.0 and s["per_seed"][0]["lime_val_loss"] == 2.5
     assert ("note: the runs end at different iterations (baseline at iter 2, lime at iter 1); comparing them all "
             "at iter 1") in capsys.readouterr().out
+    with open(tmp_path / "lime" / "log.jsonl", "w") as f:  # only the initial evaluation left: nothing to compare
+        f.writelines(lines[:2])
+    with pytest.raises(ValueError, match=re.escape("no evaluation in common past iter 0 yet (baseline at iter 2, "
+                                                   "lime at iter 0)")):
+        train.main([f"--plot={tmp_path}"])
 
 
 @pytest.mark.parametrize("damage, error", [

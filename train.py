@@ -543,10 +543,10 @@ def common_end(logs):
     iteration as text). Runs cut short (still training, killed, a truncated log) are compared there."""
     evals = {d: {r["iter"] for r in recs if r.get("val_loss") is not None} for d, recs in logs.items()}
     ends = ", ".join(f"{os.path.basename(d)} at iter {max(e, default='none')}" for d, e in evals.items())
-    both = set.intersection(*evals.values())
-    if not both:
-        raise ValueError(f"the runs have no evaluation in common yet ({ends}): nothing to compare")
-    return max(both), ends
+    at = max(set.intersection(*evals.values()), default=0)
+    if at == 0:  # (iter 0 is the initial state: the same loss, no FLOPs spent)
+        raise ValueError(f"the runs have no evaluation in common past iter 0 yet ({ends}): nothing to compare")
+    return at, ends
 
 
 def smooth(y, k=5):
