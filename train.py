@@ -90,7 +90,8 @@ PRESETS = {
                  eval_interval=100, eval_iters=10, log_interval=20, warmup_iters=50, learning_rate=2e-3),
 }
 # taken from the command line even on --resume (how to run, not what to train)
-RUNTIME = {"out_dir", "device", "dtype", "compile", "fused_mix", "resume", "compare", "seeds", "plot", "analyze", "preset"}
+RUNTIME = {"out_dir", "device", "dtype", "compile", "fused_mix", "resume", "compare", "seeds", "plot", "analyze",
+           "preset"}
 # on --resume these must match the checkpoint if given explicitly: the run would no longer be the same run
 RESUME_FIXED = ["dataset", "n_layer", "n_head", "n_embd", "block_size", "lime", "seed", "batch_size",
                 "gradient_accumulation_steps"]
