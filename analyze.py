@@ -28,8 +28,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from prepare_data import load_tokens
-from common import fixed_val_batches, load_checkpoint, setup_device
+from prepare_data import atomic_file, load_meta, load_tokens
+from common import check_dataset, fixed_val_batches, load_checkpoint, setup_device
 
 MAX_BATCHES, MAX_SEQUENCES = 8, 64  # plenty for a stable mean (it varies little across sequences), and
                                     # seconds on a CPU: each sequence costs one eigendecomposition per layer
@@ -137,11 +137,15 @@ def value_entropy(model, batches, alpha=0.5):
     return (sums / count).tolist()
 
 
-def val_inputs(ckpt, max_sequences=MAX_SEQUENCES):
+def val_inputs(ckpt, max_sequences=MAX_SEQUENCES, path="ckpt.pt"):
     """Inputs x of the first fixed validation batches of the checkpoint's dataset (train.py evaluates on
-    the same ones): as many as eval uses, but at most MAX_BATCHES and just enough for max_sequences."""
+    the same ones): as many as eval uses, but at most MAX_BATCHES and just enough for max_sequences.
+    ValueError if that dataset was re-prepared from other data since (path: the checkpoint, for the message)."""
     cfg = ckpt["config"]
-    data = load_tokens(os.path.join(cfg["data_dir"], cfg["dataset"]), "val")
+    data_dir = os.path.join(cfg["data_dir"], cfg["dataset"])
+    meta = load_meta(data_dir)
+    check_dataset(ckpt, meta, data_dir, path)
+    data = load_tokens(data_dir, "val", meta)
     n = min(cfg.get("eval_iters", MAX_BATCHES), MAX_BATCHES, math.ceil(max_sequences / cfg["batch_size"]))
     return [x for x, _ in fixed_val_batches(data, cfg["block_size"], cfg["batch_size"], n, seed=0)]
 
@@ -161,7 +165,8 @@ def plot_shares(M, path, title, xlabel, ylabel, clabel, mask=None):
     ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label=clabel)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
 
 
@@ -177,7 +182,8 @@ def plot_entropy(curves, path, title):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
 
 # -----------------------------------------------------------------------------
@@ -233,7 +239,7 @@ def analyze_compare(out_dir, device="cpu", extra=(), layer=None, max_sequences=M
         model, ckpt = load_checkpoint(d, device)
         if model.config.lime and "router" not in result:
             result["router"] = router_figures(model, ckpt, d, out_dir, layer)
-        batches = val_inputs(ckpt, max_sequences)
+        batches = val_inputs(ckpt, max_sequences, os.path.join(d, "ckpt.pt"))
         ent = value_entropy(model, batches)
         loss = ckpt.get("best_val_loss")
         label = f"{'LIMe' if name == 'lime' else name}, iter {ckpt.get('iter_num', '?')}"
@@ -255,7 +261,7 @@ def analyze_compare(out_dir, device="cpu", extra=(), layer=None, max_sequences=M
                  f"{'/'.join(f'{c:.2f}' for c in sorted(ceilings))}")
     means = ", ".join(f"{k} {v:.2f}" for k, v in result["value_entropy"]["mean"].items())
     print(f"wrote {out_dir}/value_entropy.png: mean over layers {means} nats")
-    with open(os.path.join(out_dir, "analysis.json"), "w") as f:
+    with atomic_file(os.path.join(out_dir, "analysis.json")) as f:
         json.dump(result, f, indent=1)
     return result
 
@@ -269,6 +275,8 @@ def main(argv=None):
                    help=f"validation sequences to use (whole batches, at most {MAX_BATCHES})")
     p.add_argument("--device", default="cpu", help="cpu, auto (cuda > mps > cpu), cuda, cuda:1, mps")
     args = p.parse_args(argv)
+    if args.max_sequences < 1:
+        raise ValueError(f"--max_sequences must be at least 1, got {args.max_sequences}")
     device = setup_device(args.device, "float32")[0]  # ValueError if the device isn't there
     analyze_compare(args.out_dir, device, args.extra, args.layer, args.max_sequences)
 
