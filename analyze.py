@@ -35,8 +35,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from prepare_data import CharTokenizer, get_tokenizer, load_meta, load_tokens
-from common import fixed_val_batches, load_checkpoint, setup_device
+from prepare_data import CharTokenizer, atomic_file, get_tokenizer, load_meta, load_tokens
+from common import check_dataset, fixed_val_batches, load_checkpoint, setup_device
 
 MAX_BATCHES, MAX_SEQUENCES = 8, 64  # plenty for a stable mean (it varies little across sequences), and
                                     # seconds on a CPU: each sequence costs one eigendecomposition per layer
@@ -164,11 +164,15 @@ def value_entropy(model, batches, alpha=0.5):
     return (sums / count).tolist()
 
 
-def val_inputs(ckpt, max_sequences=MAX_SEQUENCES):
+def val_inputs(ckpt, max_sequences=MAX_SEQUENCES, path="ckpt.pt"):
     """Inputs x of the first fixed validation batches of the checkpoint's dataset (train.py evaluates on
-    the same ones): as many as eval uses, but at most MAX_BATCHES and just enough for max_sequences."""
+    the same ones): as many as eval uses, but at most MAX_BATCHES and just enough for max_sequences.
+    ValueError if that dataset was re-prepared from other data since (path: the checkpoint, for the message)."""
     cfg = ckpt["config"]
-    data = load_tokens(os.path.join(cfg["data_dir"], cfg["dataset"]), "val")
+    data_dir = os.path.join(cfg["data_dir"], cfg["dataset"])
+    meta = load_meta(data_dir)
+    check_dataset(ckpt, meta, data_dir, path)
+    data = load_tokens(data_dir, "val", meta)
     n = min(cfg.get("eval_iters", MAX_BATCHES), MAX_BATCHES, math.ceil(max_sequences / cfg["batch_size"]))
     return [x for x, _ in fixed_val_batches(data, cfg["block_size"], cfg["batch_size"], n, seed=0)]
 
@@ -326,16 +330,18 @@ def separability(model, tokens, tok, words, seed=0, l2=L2):
     return result
 
 
-def val_text(ckpt):
-    """(val tokens, tokenizer) of the checkpoint's dataset: where the word occurrences come from."""
+def val_text(ckpt, path="ckpt.pt"):
+    """(val tokens, tokenizer) of the checkpoint's dataset: where the word occurrences come from.
+    ValueError if that dataset was re-prepared from other data since (path: the checkpoint, for the message)."""
     cfg = ckpt["config"]
-    path = os.path.join(cfg["data_dir"], cfg["dataset"])
-    meta = load_meta(path)
+    data_dir = os.path.join(cfg["data_dir"], cfg["dataset"])
+    meta = load_meta(data_dir)
+    check_dataset(ckpt, meta, data_dir, path)
     try:
         tok = get_tokenizer(meta)
     except ValueError as e:  # e.g. GPT-2's BPE files can't be downloaded
         raise CantProbe(str(e)) from None
-    return load_tokens(path, "val", meta), tok
+    return load_tokens(data_dir, "val", meta), tok
 
 
 def parse_words(words):
@@ -361,7 +367,8 @@ def plot_shares(M, path, title, xlabel, ylabel, clabel, mask=None):
     ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label=clabel)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
 
 
@@ -377,7 +384,8 @@ def plot_entropy(curves, path, title):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
 
 def plot_separability(curves, path, title, chance):
@@ -465,7 +473,7 @@ def analyze_compare(out_dir, device="cpu", extra=(), layer=None, max_sequences=M
         model, ckpt = load_checkpoint(d, device)
         if model.config.lime and "router" not in result:
             result["router"] = router_figures(model, ckpt, d, out_dir, layer)
-        batches = val_inputs(ckpt, max_sequences)
+        batches = val_inputs(ckpt, max_sequences, os.path.join(d, "ckpt.pt"))
         ent = value_entropy(model, batches)
         loss = ckpt.get("best_val_loss")
         label = f"{'LIMe' if name == 'lime' else name}, iter {ckpt.get('iter_num', '?')}"
@@ -476,7 +484,7 @@ def analyze_compare(out_dir, device="cpu", extra=(), layer=None, max_sequences=M
         result["value_entropy"]["per_layer"][name] = ent
         result["value_entropy"]["mean"][name] = float(np.mean(ent))
         try:
-            sep = separability(model, *val_text(ckpt), words, seed)
+            sep = separability(model, *val_text(ckpt, os.path.join(d, "ckpt.pt")), words, seed)
         except CantProbe as e:
             if explicit:
                 raise CantProbe(f"token separability of {d}: {e}") from None
@@ -505,7 +513,7 @@ def analyze_compare(out_dir, device="cpu", extra=(), layer=None, max_sequences=M
                 for kind in ("values", "hidden")}
         print(f"wrote {out_dir}/separability.png: last layer accuracy, values: {last['values']}; "
               f"hidden states: {last['hidden']}")
-    with open(os.path.join(out_dir, "analysis.json"), "w") as f:
+    with atomic_file(os.path.join(out_dir, "analysis.json")) as f:
         json.dump(result, f, indent=1)
     return result
 
@@ -522,6 +530,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed of the separability probe's sampling and folds")
     p.add_argument("--device", default="cpu", help="cpu, auto (cuda > mps > cpu), cuda, cuda:1, mps")
     args = p.parse_args(argv)
+    if args.max_sequences < 1:
+        raise ValueError(f"--max_sequences must be at least 1, got {args.max_sequences}")
     device = setup_device(args.device, "float32")[0]  # ValueError if the device isn't there
     analyze_compare(args.out_dir, device, args.extra, args.layer, args.max_sequences, args.words, args.seed)
 

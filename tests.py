@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict
@@ -404,7 +405,8 @@ def test_bad_config_and_inputs():
 
 def test_scripts_import_one_way():
     """Scripts share lime.py, prepare_data.py and common.py, never import each other (no cycles); common.py
-    builds on lime.py alone, and lime.py imports no script and no I/O or argument-parsing module."""
+    builds on lime.py and prepare_data.py (for atomic_file) alone, and lime.py imports no script and no I/O
+    or argument-parsing module."""
     import ast
     allowed = {"lime", "prepare_data", "common"}
     scripts = {"train", "sample", "analyze", "bench", "prepare_data", "common", "lime"}
@@ -418,7 +420,9 @@ def test_scripts_import_one_way():
         if name == "lime":
             assert own == set() and not imported & {"argparse", "os", "json", "pickle"}
         if name == "common":
-            assert own <= {"lime"}
+            assert own <= {"lime", "prepare_data"}
+        if name == "prepare_data":  # the base of the others: no model, so no torch needed to prepare data
+            assert own == set()
 
 
 # ----------------------------------------------------------------------------- prepare_data.py: corpora, tokenizers, dataset files
@@ -584,6 +588,65 @@ def test_data_bad_inputs(tmp_path, monkeypatch):
         prepare_data.main(["--input=tiny.txt", "--name=../x"])
     assert not os.path.exists("data/tiny") and not os.path.exists("data/empty")
 
+@pytest.mark.parametrize("args, error, match", [
+    (["--input=folder"], ValueError, "--input=folder is a folder; give the text file"),  # was "not found"
+    (["--input=tiny.txt", "--name="], ValueError, "bad dataset name ''"),                 # was silently ignored
+])
+def test_data_cli_misleading_inputs(tmp_path, monkeypatch, args, error, match):
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("folder")
+    with open("tiny.txt", "w") as f:
+        f.write(DATA_TEXT)
+    with pytest.raises(error, match=re.escape(match)):
+        prepare_data.main(args)
+    assert sorted(os.listdir()) == ["folder", "tiny.txt"]  # nothing written
+
+
+def test_data_replacing_other_data_says_so(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text(DATA_TEXT)
+    (tmp_path / "b.txt").write_text(DATA_TEXT * 2)
+    prepare_data.main([f"--input={tmp_path / 'a.txt'}", "--name=x", f"--data_dir={tmp_path}"])
+    prepare_data.main([f"--input={tmp_path / 'a.txt'}", "--name=x", f"--data_dir={tmp_path}"])
+    assert "note" not in capsys.readouterr().out  # the same data again: nothing to say
+    prepare_data.main([f"--input={tmp_path / 'b.txt'}", "--name=x", f"--data_dir={tmp_path}"])
+    assert re.search(rf"note: replaced .*x, which held other data \(source='files: .*a.txt', "
+                     rf"n_chars={len(DATA_TEXT)}\)", capsys.readouterr().out)
+
+
+def test_data_read_only_folder_changes_nothing(tmp_path, monkeypatch, capsys):
+    good = str(tmp_path / "good")
+    meta = prepare(DATA_TEXT, good, source="old")
+    # a read-only folder, as a normal user sees it (the tests may run as root, who may write anywhere): it can
+    # be moved aside (its parent is writable) but not emptied
+    access, rmtree = os.access, shutil.rmtree
+    monkeypatch.setattr(prepare_data.os, "access", lambda p, mode: os.path.normpath(p) != good and access(p, mode))
+    def rmtree_read_only(path, *a, **k):
+        if ".good.old-" in str(path):
+            raise PermissionError(13, "Permission denied")
+        rmtree(path, *a, **k)
+    monkeypatch.setattr(prepare_data.shutil, "rmtree", rmtree_read_only)
+    with pytest.raises(PermissionError, match="good is read-only.*nothing was changed"):
+        prepare(DATA_TEXT * 2, good, source="new")
+    assert load_meta(good) == meta and sorted(os.listdir(tmp_path)) == ["good"]  # no install, no hidden folders
+    # cleaning up after the swap fails some other way: the new dataset is in place, so no error, but a note
+    monkeypatch.setattr(prepare_data.os, "access", access)
+    assert prepare(DATA_TEXT * 2, good, source="new")["source"] == "new" and load_meta(good)["source"] == "new"
+    old = [d for d in os.listdir(tmp_path) if d.startswith(".good.old-")]
+    assert len(old) == 1 and f"could not delete the old copy {tmp_path / old[0]}" in capsys.readouterr().out
+
+
+def test_data_vocab_size_below_token_ids(tmp_path):
+    d = str(tmp_path / "x")
+    prepare(DATA_TEXT, d)
+    with open(os.path.join(d, "meta.json")) as f:
+        meta = json.load(f)
+    n = meta["vocab_size"] - 3
+    with open(os.path.join(d, "meta.json"), "w") as f:  # consistent in itself, but the data has larger ids
+        json.dump(dict(meta, vocab_size=n, chars=meta["chars"][:n]), f)
+    with pytest.raises(ValueError, match=rf"train.bin holds token id {n + 2}, but meta.json says vocab_size={n}"):
+        load_tokens(d, "train")
+
+
 def test_data_gpt2_offline_fails_fast(tmp_path, monkeypatch):
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty_cache"))
     def no_network(*a, **k):
@@ -735,6 +798,95 @@ def test_train_plot_from_logs(tmp_path):
         assert json.load(f)["per_seed"][1]["seed"] == 2
 
 
+def write_logs(out, runs, seeds=(1,)):
+    """Hand-made --compare folder: {run dir name: records} with a header each; seed from the name."""
+    for d, lg in runs.items():
+        os.makedirs(os.path.join(out, d), exist_ok=True)
+        cfg = dict(train.PRESETS["cpu"], dataset="x", router_lr=1e-2, seed=int(d[-1]) if d[-1].isdigit() else seeds[0])
+        with open(os.path.join(out, d, "log.jsonl"), "w") as f:
+            f.write(json.dumps({"config": cfg}) + "\n")
+            f.writelines(json.dumps(r) + "\n" for r in lg)
+
+
+def test_train_plot_compares_like_with_like(tmp_path, capsys):
+    write_logs(tmp_path, {"baseline": log([0, 10, 20], [4.0, 3.0, 2.0]), "lime": log([0, 11, 22], [4.0, 2.5, 1.9])})
+    assert train.main([f"--plot={tmp_path}"])["iter"] == 2
+    files = lambda: {f: open(tmp_path / f, "rb").read() for f in ("loss_vs_flops.png", "summary.json")}
+    good = files()
+    with open(tmp_path / "lime" / "log.jsonl") as f:
+        lines = f.readlines()
+    with open(tmp_path / "lime" / "log.jsonl", "w") as f:  # killed mid-write: its last record half there
+        f.writelines(lines[:-1] + [lines[-1][:15]])
+    with pytest.raises(ValueError, match=re.escape(
+            f"not replacing {tmp_path}/summary.json and loss_vs_flops.png: they compare the runs at iter 2, further "
+            f"than the logs now reach (baseline at iter 2, lime at iter 1)")):
+        train.main([f"--plot={tmp_path}"])
+    assert files() == good
+    os.remove(tmp_path / "summary.json")  # the way to plot them anyway: both at iter 1, not LIMe's 1 vs baseline's 2
+    capsys.readouterr()
+    s = train.main([f"--plot={tmp_path}"])
+    assert s["iter"] == 1 and s["per_seed"][0]["baseline_val_loss"] == 3.0 and s["per_seed"][0]["lime_val_loss"] == 2.5
+    assert ("note: the runs end at different iterations (baseline at iter 2, lime at iter 1); comparing them all "
+            "at iter 1") in capsys.readouterr().out
+    with open(tmp_path / "lime" / "log.jsonl", "w") as f:  # only the initial evaluation left: nothing to compare
+        f.writelines(lines[:2])
+    with pytest.raises(ValueError, match=re.escape("no evaluation in common past iter 0 yet (baseline at iter 2, "
+                                                   "lime at iter 0)")):
+        train.main([f"--plot={tmp_path}"])
+
+
+@pytest.mark.parametrize("damage, error", [
+    ("summary not an object", "summary.json is not a summary written by train.py; delete it"),
+    ("summary of other seeds", "summary.json lists seeds 3, 4, but the runs in T are of seeds 1, 2: it belongs to "
+                               "another comparison; delete it"),
+    ("header line cut", None),  # plots: the summary says which seed the first runs are
+])
+def test_train_plot_damaged_summary_or_header(tmp_path, damage, error):
+    write_logs(tmp_path, {d: log([0, 10, 20], [4.0, 3.0, 2.0]) for d in ("baseline", "lime", "baseline_seed2",
+                                                                         "lime_seed2")})
+    summary = {"summary not an object": [1, 2], "summary of other seeds": dict(seeds=[3, 4]),
+               "header line cut": dict(seeds=[1, 2], status="training")}[damage]
+    with open(tmp_path / "summary.json", "w") as f:
+        json.dump(summary, f)
+    if damage == "header line cut":
+        with open(tmp_path / "baseline" / "log.jsonl") as f:
+            lines = f.readlines()
+        with open(tmp_path / "baseline" / "log.jsonl", "w") as f:
+            f.writelines([lines[0][:20] + "\n"] + lines[1:])
+        assert train.main([f"--plot={tmp_path}"])["seeds"] == [1, 2]
+    else:
+        with pytest.raises(ValueError, match=re.escape(error.replace("T", str(tmp_path)))):
+            train.main([f"--plot={tmp_path}"])
+
+
+@pytest.mark.parametrize("write, old_tmp", [  # each writer, and the fixed temp name it used to write through
+    ("ckpt.pt", "ckpt.pt.tmp"), ("log.jsonl", "log.jsonl.tmp"), ("loss_vs_flops.png", "loss_vs_flops.png.tmp.png"),
+    ("tinyshakespeare.txt", "tinyshakespeare.txt.tmp")])
+def test_train_temp_files_are_unique_and_exclusive(tmp_path, monkeypatch, write, old_tmp):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    d = tmp_path / "out"
+    d.mkdir()
+    os.symlink(victim, d / old_tmp)  # a link left (or planted) at the old name must not be written through
+    if write == "ckpt.pt":
+        save_checkpoint(dict(x=torch.zeros(3)), str(d))
+    elif write == "log.jsonl":
+        train.start_log(str(d / write), {"config": {}})
+    elif write == "loss_vs_flops.png":
+        runs = [log([0, 10, 20], [4.0, 3.0, 2.0])], [log([0, 11, 22], [4.0, 2.5, 1.9])]
+        train.plot_compare(str(d / write), *runs, train.summarize([1], *runs))
+    else:
+        monkeypatch.setattr(prepare_data, "download", lambda url, timeout=5: DATA_TEXT)
+        prepare_data.quickstart_text(str(d))
+    assert victim.read_text() == "precious" and os.path.getsize(d / write) > 0
+    assert sorted(os.listdir(d)) == sorted([write, old_tmp])  # no temp file left behind
+    with pytest.raises(ZeroDivisionError), prepare_data.atomic_file(str(d / write)) as f:
+        f.write("half")
+        1 / 0
+    assert os.path.getsize(d / write) > 4  # a failed write keeps the old file, and leaves no temp file
+    assert sorted(os.listdir(d)) == sorted([write, old_tmp])
+
+
 def test_train_bad_input(tiny_data, tmp_path):
     with pytest.raises(FileNotFoundError, match="python prepare_data.py --input=YOUR_TEXT.txt --name=nope"):
         train.main(tiny_data("--dataset=nope", f"--out_dir={tmp_path / 'o'}"))
@@ -749,6 +901,92 @@ def test_train_bad_input(tiny_data, tmp_path):
         train.main(tiny_data("--resume=True", "--lime=True", f"--out_dir={tmp_path / 'o'}"))
     with pytest.raises(ValueError, match="--lime"):
         train.main(tiny_data("--lime=maybe"))
+    prepare_data.prepare(TRAIN_TEXT * 2, str(tmp_path / "data" / "tiny_data"))  # same characters, other text
+    with pytest.raises(ValueError, match=r"tiny_data is no longer the dataset .*ckpt.pt was trained on \(n_chars: "):
+        train.main(tiny_data("--resume=True", f"--out_dir={tmp_path / 'o'}", "--max_iters=4"))
+
+
+BAD_FLOAT_FLAGS = [("grad_clip", "nan"), ("min_lr", "nan"), ("weight_decay", "inf"), ("learning_rate", "nan"),
+                   ("router_lr", "-inf"), ("dropout", "nan"), ("beta2", "nan")]
+
+
+@pytest.mark.parametrize("flag, match", [
+    ("--learning_rate=-1", "--learning_rate must be > 0, got -1.0"),  # blamed --min_lr (derived from it)
+    ("--seed=-1", "--seed must be at least 0, got -1"),              # wrote a log first, then numpy's words
+    ("--device=foo", "unknown --device=foo; use auto, cpu, cuda, cuda:N or mps"),
+] + [(f"--{k}={v}", f"--{k} must be a finite number, got {v}") for k, v in BAD_FLOAT_FLAGS])
+def test_train_bad_flag_named_before_anything_is_written(tiny_data, tmp_path, flag, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        train.main(tiny_data(flag, "--max_iters=2", f"--out_dir={tmp_path / 'o'}"))
+    assert not (tmp_path / "o").exists()
+
+
+def test_train_refuses_to_replace_a_run(tiny_data, tmp_path):
+    out = str(tmp_path / "o")
+    train.main(tiny_data("--max_iters=4", f"--out_dir={out}"))
+    files = lambda: {f: open(os.path.join(out, f), "rb").read() for f in ("ckpt.pt", "log.jsonl")}
+    before = files()
+    with pytest.raises(ValueError, match=re.escape(f"{out} already holds a run (ckpt.pt, log.jsonl); continue it "
+                                                   f"with --resume=True, or train into a new --out_dir")):
+        train.main(tiny_data("--max_iters=4", f"--out_dir={out}", "--lime=True"))
+    assert files() == before
+    # a run stopped before its first checkpoint: --resume can't continue it, and says how to start over
+    os.remove(os.path.join(out, "ckpt.pt"))
+    with pytest.raises(FileNotFoundError, match=f"stopped before its first checkpoint: to start over, delete {out}"):
+        train.main(tiny_data("--resume=True", f"--out_dir={out}"))
+
+
+@pytest.mark.parametrize("where, match", [
+    ("file", "--out_dir=F is a file, not a folder"),
+    ("under a file", r"can't write to --out_dir=F/run \(Not a directory\)"),
+    ("read-only", r"can't write to --out_dir=D \(Permission denied\)"),
+])
+def test_train_unusable_out_dir(tiny_data, tmp_path, monkeypatch, where, match):
+    f, d = tmp_path / "f", tmp_path / "d"
+    f.write_text("not a folder")
+    out = {"file": f, "under a file": f / "run", "read-only": d}[where]
+    if where == "read-only":  # as a normal user finds it (tests may run as root, who can write anywhere)
+        d.mkdir()
+        def refuse(*a, dir=None, **k):
+            raise PermissionError(13, "Permission denied")
+        monkeypatch.setattr(train.tempfile, "TemporaryFile", refuse)
+    with pytest.raises(ValueError, match=match.replace("F", re.escape(str(f))).replace("D", re.escape(str(d)))):
+        train.main(tiny_data("--max_iters=2", f"--out_dir={out}"))
+    assert sorted(os.listdir(tmp_path)) == (["d", "data", "f"] if where == "read-only" else ["data", "f"])
+    assert f.read_text() == "not a folder" and (not d.exists() or os.listdir(d) == [])
+
+
+BAD_CHECKPOINTS = [  # kind, what the error says (besides the file's path)
+    ("truncated", "torch.load can't read it"), ("empty", "torch.load can't read it"),
+    ("text", "torch.load can't read it"), ("foreign", "it has no 'model_args'"),
+    ("missing keys", "it has no 'model_args'"), ("folder", "it is a folder"),
+    ("wrong weights", "its weights don't fit its model_args")]
+
+
+def damage_checkpoint(path, kind):
+    """Replace the good checkpoint at path by a bad one of the given kind."""
+    good = open(path, "rb").read()
+    ckpt = torch.load(path, weights_only=True)
+    os.remove(path)
+    if kind == "folder":
+        os.makedirs(path)
+    elif kind in ("foreign", "missing keys", "wrong weights"):
+        ckpt["model"].pop("transformer.wte.weight")
+        torch.save({"foreign": [1, 2, 3], "missing keys": {k: v for k, v in ckpt.items() if k != "model_args"},
+                    "wrong weights": ckpt}[kind], path)
+    else:
+        with open(path, "wb") as f:
+            f.write({"truncated": good[:len(good) // 2], "empty": b"", "text": b"hello"}[kind])
+
+
+def test_train_resume_from_bad_checkpoint(tiny_data, tmp_path):
+    train.main(tiny_data("--max_iters=4", f"--out_dir={tmp_path / 'good'}"))
+    for kind, match in BAD_CHECKPOINTS:
+        out = tmp_path / kind.replace(" ", "_")
+        shutil.copytree(tmp_path / "good", out)
+        damage_checkpoint(str(out / "ckpt.pt"), kind)
+        with pytest.raises(ValueError, match=re.escape(f"{out / 'ckpt.pt'}") + ".*" + re.escape(match)):
+            train.main(tiny_data("--resume=True", "--max_iters=8", f"--out_dir={out}"))
 
 
 def test_train_nan_loss_keeps_last_good_checkpoint(tiny_data, tmp_path, monkeypatch):
@@ -764,8 +1002,10 @@ def test_train_nan_loss_keeps_last_good_checkpoint(tiny_data, tmp_path, monkeypa
 
     monkeypatch.setattr(GPT, "forward", nan_after_6_steps)
     out = str(tmp_path / "nan")
-    with pytest.raises(train.NonFiniteLoss, match="training loss is nan at iteration 6.*iter 4"):
+    # steps 1..6 of the log are fine, step 7 is the first NaN: counted from 1, as the log counts
+    with pytest.raises(train.NonFiniteLoss, match="training loss is nan at iteration 7.*iter 4"):
         train.main(tiny_data("--max_iters=10", f"--out_dir={out}"))
+    assert records(out)[-1]["iter"] == 6 and math.isfinite(records(out)[-1]["train_loss"])
     assert issubclass(train.NonFiniteLoss, ValueError)  # so __main__ prints one line and exits 1
     _, ckpt = common.load_checkpoint(out)
     assert ckpt["iter_num"] == 4 and all(torch.isfinite(t).all() for t in ckpt["model"].values())
@@ -777,6 +1017,31 @@ def test_train_cli_error_is_one_line(tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: no dataset at") and "prepare_data.py" in lines[0]
+
+
+def test_train_progress_reaches_a_pipe_while_running(tiny_data, tmp_path):
+    """`python train.py ... > log` then `tail -f log`: stdout is line-buffered, so the header line is
+    readable while the run is still going (block-buffered, it would arrive only at exit)."""
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), *tiny_data(
+        "--max_iters=400", "--eval_interval=400", "--log_interval=400", f"--out_dir={tmp_path / 'o'}")],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"})  # (as a user's shell has it)
+    try:
+        first = p.stdout.readline()
+        assert first.startswith("baseline: ")
+        assert not os.path.exists(tmp_path / "o" / "ckpt.pt")  # (saved at iteration 400, the end)
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_train_cli_os_error_is_one_line(tmp_path):
+    write_logs(tmp_path, {"baseline": log([0, 10], [4.0, 3.0]), "lime": log([0, 11], [4.0, 2.9])})
+    os.makedirs(tmp_path / "summary.json")  # any OSError (here: reading a folder) used to escape __main__
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), f"--plot={tmp_path}"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("error: ") and f"Is a directory: '{tmp_path}/summary.json'" in r.stderr
 
 
 def test_train_compare_two_seeds(tiny_data, tmp_path, monkeypatch):
@@ -792,8 +1057,18 @@ def test_train_compare_two_seeds(tiny_data, tmp_path, monkeypatch):
         _, ckpt = common.load_checkpoint(os.path.join(out, d))
         assert ckpt["config"]["lime"] == lime and ckpt["config"]["seed"] == seed and ckpt["iter_num"] == 4
     before = open(os.path.join(out, "lime", "log.jsonl")).read()
+    summary = open(os.path.join(out, "summary.json")).read()
+    with pytest.raises(ValueError, match=re.escape(f"{out} already holds a comparison (summary.json, loss_vs_flops"
+                                                   f".png, baseline, lime, baseline_seed6, lime_seed6); continue it "
+                                                   f"with --compare --resume=True, or use a new --out_dir")):
+        train.main(tiny_data("--compare", "--seeds=2", "--max_iters=4", f"--out_dir={out}", "--seed=5"))
+    assert open(os.path.join(out, "summary.json")).read() == summary
+    os.remove(os.path.join(out, "lime_seed6", "ckpt.pt"))  # as if killed before its first checkpoint: starts over
+    losses = [r["train_loss"] for r in records(os.path.join(out, "lime_seed6"))[1:]]
     train.main(tiny_data("--compare", "--seeds=2", "--max_iters=4", f"--out_dir={out}", "--seed=5", "--resume"))
     assert open(os.path.join(out, "lime", "log.jsonl")).read().split("\n")[1:] == before.split("\n")[1:]
+    assert [r["train_loss"] for r in records(os.path.join(out, "lime_seed6"))[1:]] == pytest.approx(losses)
+    assert os.path.exists(os.path.join(out, "lime_seed6", "ckpt.pt"))
 
 
 # ----------------------------------------------------------------------------- sample.py
@@ -886,6 +1161,19 @@ def test_sample_cli_errors_are_one_line(ckpt_dir, tmp_path):
         assert r.returncode == 1 and r.stdout == ""
         assert r.stderr.startswith("error: ") and expected in r.stderr
         assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("kind, match", BAD_CHECKPOINTS)
+def test_sample_bad_checkpoint(ckpt_dir, kind, match):
+    damage_checkpoint(os.path.join(ckpt_dir, "ckpt.pt"), kind)
+    with pytest.raises(ValueError, match=re.escape(os.path.join(ckpt_dir, "ckpt.pt")) + ".*" + re.escape(match)):
+        sample.main([f"--out_dir={ckpt_dir}", "--device=cpu"])
+
+
+@pytest.mark.parametrize("flag", ["--temperature=nan", "--temperature=inf", "--temperature=-1"])
+def test_sample_temperature_must_be_finite(ckpt_dir, flag):
+    with pytest.raises(ValueError, match=f"a finite --temperature >= 0, got .* and {flag.split('=')[1]}"):
+        sample.main([f"--out_dir={ckpt_dir}", "--device=cpu", "--max_new_tokens=3", flag])
 
 
 def test_sample_bpe_tokenizer_and_padded_vocab(capsys):
@@ -1010,6 +1298,26 @@ def test_analyze_compare_writes_figures(tmp_path, capsys):
     assert saved["runs"]["lime"]["sequences"] == 12  # eval_iters=3 fixed val batches of 4
     single = analyze.analyze_compare(str(out / "lime"))  # a single (non --compare) run folder works too
     assert single["router"]["shares"] == saved["router"]["shares"] and os.path.getsize(out / "lime" / "router_map.png")
+
+
+def test_analyze_refuses_re_prepared_dataset(tmp_path):
+    out, data = tmp_path / "out", str(tmp_path / "data" / "tiny")
+    make_run(str(out / "baseline"), data, lime=False)
+    make_run(str(out / "lime"), data, lime=True)
+    prepare(ANALYZE_TEXT * 2, data)  # the same characters (so the same vocab), other text
+    with pytest.raises(ValueError, match=re.escape(f"{data} is no longer the dataset {out / 'baseline' / 'ckpt.pt'} "
+                                                   f"was trained on (n_chars: {len(ANALYZE_TEXT)} then, "
+                                                   f"{2 * len(ANALYZE_TEXT)} now")):
+        analyze.analyze_compare(str(out))
+    assert sorted(os.listdir(out)) == ["baseline", "lime"]  # no figures drawn from the wrong data
+
+
+@pytest.mark.parametrize("max_sequences", [0, -4])
+def test_analyze_max_sequences_must_be_positive(tmp_path, max_sequences):
+    make_run(str(tmp_path / "out" / "lime"), str(tmp_path / "data" / "tiny"), lime=True)
+    with pytest.raises(ValueError, match=f"--max_sequences must be at least 1, got {max_sequences}"):
+        analyze.main([str(tmp_path / "out"), f"--max_sequences={max_sequences}"])
+    assert os.listdir(tmp_path / "out") == ["lime"]
 
 
 def test_analyze_cli_error_is_one_line(tmp_path):

@@ -4,14 +4,15 @@ Train a GPT with or without LIMe, or both on identical data, and compare loss ag
     python prepare_data.py                         # once: makes data/quickstart
     python train.py --compare                      # baseline, then LIMe: ~4 min on 2 CPU cores -> out-compare/
     python train.py --lime=True --out_dir=out-lime # one variant
-    python train.py --compare --seeds=3            # 3 seeds per variant: mean curves with min-max bands
-    python train.py --compare --preset=gpu         # bigger model for one GPU; --preset=deep: 24 narrow layers
+    python train.py --compare --seeds=3 --out_dir=out-seeds   # 3 seeds per variant: mean curves, min-max bands
+    python train.py --compare --preset=gpu --out_dir=out-gpu  # bigger model for one GPU; --preset=deep: 24 narrow layers
     python train.py --plot out-compare             # redraw the figure and summary from the logs
     python train.py --out_dir=out --resume=True    # continue a run exactly where it stopped
 
 Flags are nanoGPT's, written --key=value. A preset (cpu, the default; gpu; deep) sets the model size and
 schedule; flags given explicitly override it. Training FLOPs = 3 x model.flops_per_token(block_size) x tokens
-seen (2 FLOPs per multiply-add, attention over the full T x T square, see lime.py).
+seen (2 FLOPs per multiply-add, attention over the full T x T square, see lime.py). An out_dir that holds a
+run is never overwritten: continue it with --resume=True, or delete it to start over.
 """
 
 import argparse
@@ -20,15 +21,17 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 
 import numpy as np
 import torch
 
-from common import fixed_val_batches, sample_batch, save_checkpoint, setup_device
+from common import (check_dataset, fixed_val_batches, load_weights, read_checkpoint, sample_batch, save_checkpoint,
+                    setup_device)
 from lime import GPT, GPTConfig
-from prepare_data import load_meta, load_tokens
+from prepare_data import atomic_file, load_meta, load_tokens
 
 # -----------------------------------------------------------------------------------------------------
 # config: nanoGPT flag names; None = filled in by the preset or derived (see resolve)
@@ -92,11 +95,13 @@ RUNTIME = {"out_dir", "device", "dtype", "compile", "fused_mix", "resume", "comp
 # on --resume these must match the checkpoint if given explicitly: the run would no longer be the same run
 RESUME_FIXED = ["dataset", "n_layer", "n_head", "n_embd", "block_size", "lime", "seed", "batch_size",
                 "gradient_accumulation_steps"]
+# what a checkpoint must hold to be resumed from
+RESUME_KEYS = ("model_args", "model", "optimizer", "iter_num", "best_val_loss", "config", "rng_cpu")
 
 
 MIN_VALUES = dict(batch_size=1, block_size=1, n_layer=1, n_head=1, n_embd=1, eval_interval=1, eval_iters=1,
                   log_interval=1, gradient_accumulation_steps=1, seeds=1, max_iters=0, warmup_iters=0,
-                  lr_decay_iters=0, min_lr=0, grad_clip=0, weight_decay=0, router_lr=0)
+                  lr_decay_iters=0, min_lr=0, grad_clip=0, weight_decay=0, router_lr=0, seed=0)
 
 
 def str2bool(s):
@@ -135,15 +140,19 @@ def get_config(argv=None):
 def resolve(cfg):
     """Fill in the derived defaults and check the numbers; returns a new dict."""
     cfg = dict(cfg)
+    for name, typ, _, _ in FLAGS:  # nan and inf parse as floats, and compare False with everything
+        if typ is float and cfg[name] is not None and not math.isfinite(cfg[name]):
+            raise ValueError(f"--{name} must be a finite number, got {cfg[name]}")
+    if not cfg["learning_rate"] > 0:  # before min_lr = learning_rate / 10 gets the blame
+        raise ValueError(f"--learning_rate must be > 0, got {cfg['learning_rate']}")
     cfg["out_dir"] = cfg["out_dir"] or ("out-compare" if cfg["compare"] else "out")
     cfg["lr_decay_iters"] = cfg["max_iters"] if cfg["lr_decay_iters"] is None else cfg["lr_decay_iters"]
     cfg["min_lr"] = cfg["learning_rate"] / 10 if cfg["min_lr"] is None else cfg["min_lr"]
     for k, lo in MIN_VALUES.items():
         if cfg[k] < lo:
             raise ValueError(f"--{k} must be at least {lo}, got {cfg[k]}")
-    if not (cfg["learning_rate"] > 0 and 0 <= cfg["dropout"] < 1):
-        raise ValueError(f"need --learning_rate > 0 and 0 <= --dropout < 1, "
-                         f"got {cfg['learning_rate']} and {cfg['dropout']}")
+    if not 0 <= cfg["dropout"] < 1:
+        raise ValueError(f"need 0 <= --dropout < 1, got {cfg['dropout']}")
     return cfg
 
 
@@ -199,11 +208,15 @@ def evaluate(model, batches, ctx, device):
 def resume_config(ckpt, cfg, explicit, path):
     """The checkpoint's config, with runtime flags and explicitly given flags from cfg. Raises ValueError
     naming the field if an explicit flag contradicts the checkpoint."""
+    missing = [k for k in RESUME_FIXED if not isinstance(ckpt["config"], dict) or k not in ckpt["config"]]
+    if missing:
+        raise ValueError(f"{path} is not a usable checkpoint: its config lacks {', '.join(missing)} (not written "
+                         f"by train.py?); restore it, or train a new run into a fresh --out_dir")
     for k in RESUME_FIXED:
         if k in explicit and cfg[k] != ckpt["config"][k]:
             raise ValueError(f"can't resume from {path}: {k} differs (checkpoint has {ckpt['config'][k]!r}, "
                              f"--{k}={cfg[k]!r}); drop --{k}, or train into a new --out_dir")
-    return {**ckpt["config"], **{k: v for k, v in cfg.items() if k in RUNTIME or k in explicit}}
+    return {**cfg, **ckpt["config"], **{k: v for k, v in cfg.items() if k in RUNTIME or k in explicit}}
 
 
 class NonFiniteLoss(ValueError):
@@ -212,6 +225,24 @@ class NonFiniteLoss(ValueError):
 
 def fmt_time(s):
     return f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+def run_files(out_dir):
+    """Which of ckpt.pt and log.jsonl out_dir holds: a run lives there if any."""
+    return [f for f in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(out_dir, f))]
+
+
+def make_out_dir(out_dir):
+    """Create out_dir and check that we can write in it, before any work is done (ValueError if not)."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"--out_dir={out_dir} is a file, not a folder; choose another --out_dir")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as e:
+        raise ValueError(f"can't write to --out_dir={out_dir} ({e.strerror or e}); choose a folder you can "
+                         f"write to") from None
 
 
 def train(cfg, explicit=()):
@@ -223,12 +254,20 @@ def train(cfg, explicit=()):
     if cfg["resume"]:
         if not os.path.exists(ckpt_path):
             hint = (f"for a comparison: python train.py --compare --resume=True --out_dir={out_dir}"
-                    if os.path.isdir(os.path.join(out_dir, "baseline")) else "drop --resume to start a new run")
+                    if os.path.isdir(os.path.join(out_dir, "baseline")) else
+                    f"its log.jsonl is of a run stopped before its first checkpoint: to start over, delete {out_dir}"
+                    if os.path.exists(log_path) else "drop --resume to start a new run")
             raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}; {hint}")
-        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        ckpt = read_checkpoint(ckpt_path, "cpu", RESUME_KEYS)
         cfg = resolve(resume_config(ckpt, cfg, explicit, ckpt_path))
+    elif run_files(out_dir):  # never replace a run's checkpoint and log without being asked
+        raise ValueError(f"{out_dir} already holds a run ({', '.join(run_files(out_dir))}); continue it with "
+                         f"--resume=True, or train into a new --out_dir (to start over, delete {out_dir} first)")
     meta, train_data, val_data = open_dataset(cfg)
+    if ckpt is not None:  # the data must be the data it was trained on
+        check_dataset(ckpt, meta, os.path.join(cfg["data_dir"], cfg["dataset"]), ckpt_path)
     device, device_type, dtype, ctx, peak = setup_device(cfg["device"], cfg["dtype"])
+    make_out_dir(out_dir)
 
     torch.manual_seed(cfg["seed"])  # right before the model: same non-router init with and without LIMe
     model_args = asdict(GPTConfig(vocab_size=meta["vocab_size"], block_size=cfg["block_size"],
@@ -236,16 +275,16 @@ def train(cfg, explicit=()):
                                   dropout=cfg["dropout"], lime=cfg["lime"], fused_mix=cfg["fused_mix"]))
     if ckpt is not None:
         for k, v in ckpt["model_args"].items():
-            if k not in ("dropout", "fused_mix") and model_args[k] != v:  # e.g. the dataset was re-prepared with another vocab
+            if k not in ("dropout", "fused_mix") and model_args.get(k) != v:  # e.g. the data was re-prepared
                 raise ValueError(f"can't resume from {ckpt_path}: model {k} differs (checkpoint has {v!r}, "
-                                 f"now {model_args[k]!r})")
+                                 f"now {model_args.get(k)!r})")
     raw_model = GPT(GPTConfig(**model_args)).to(device)
     optimizer = raw_model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"],
                                                (cfg["beta1"], cfg["beta2"]), cfg["router_lr"], device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
     iter_num, best_val, last_saved = 0, math.inf, None
     if ckpt is not None:
-        raw_model.load_state_dict(ckpt["model"])
+        load_weights(raw_model, ckpt, ckpt_path)
         peaks = [(g["peak_lr"], g["weight_decay"]) for g in optimizer.param_groups]
         optimizer.load_state_dict(ckpt["optimizer"])
         for g, (peak_lr, wd) in zip(optimizer.param_groups, peaks):  # flags given now win
@@ -327,7 +366,8 @@ def train(cfg, explicit=()):
                 values = torch.stack(losses).tolist()  # the one host-device sync per record
                 for i, v in enumerate(values):
                     if not math.isfinite(v):
-                        raise NonFiniteLoss(f"training loss is {v} at iteration {iter_num - len(values) + i}")
+                        # values[i] is the loss of the step that made iteration iter_num - len(values) + i + 1
+                        raise NonFiniteLoss(f"training loss is {v} at iteration {iter_num - len(values) + i + 1}")
                 dt = (time.time() - t_last) / len(values)
                 recent = recent[-4:] + [dt]
                 flops = iter_num * flops_per_iter
@@ -378,9 +418,8 @@ def start_log(path, header, keep_until=None):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     keep = [r for r in read_log(path) if r["iter"] <= keep_until] if keep_until is not None \
         and os.path.exists(path) else []
-    with open(path + ".tmp", "w") as f:
+    with atomic_file(path) as f:
         f.writelines(json.dumps(r) + "\n" for r in [header] + keep)
-    os.replace(path + ".tmp", path)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -457,26 +496,58 @@ def format_summary(s):
     return lines + ["  (linear interpolation between eval points)"]
 
 
+def read_summary(out_dir):
+    """OUT/summary.json as a dict (None if there is none); ValueError if it is not one train.py wrote."""
+    path = os.path.join(out_dir, "summary.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            s = json.load(f)
+        ok = isinstance(s, dict) and isinstance(s.get("seeds"), list) and all(type(x) is int for x in s["seeds"])
+    except (ValueError, UnicodeDecodeError):  # (json's decode error is a ValueError)
+        ok = False
+    if not ok:
+        raise ValueError(f"{path} is not a summary written by train.py; delete it (python train.py --plot "
+                         f"{out_dir} writes a new one from the logs)")
+    return s
+
+
 def find_runs(out_dir):
     """[(seed, baseline dir, lime dir)] of a --compare folder, limited to the seeds of its summary.json
     (if any; so leftovers of an older comparison with more seeds are not mixed in)."""
     names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    seeds = (read_summary(out_dir) or {}).get("seeds")
     runs = []
-    if "baseline" in names:
-        h = read_log(os.path.join(out_dir, "baseline", "log.jsonl"), header=True)
-        runs.append((h["config"]["seed"] if h else None, "baseline", "lime"))
+    if "baseline" in names:  # the first seed: its log's header says which (if damaged: the summary's first)
+        path = os.path.join(out_dir, "baseline", "log.jsonl")
+        h = read_log(path, header=True) if os.path.exists(path) else None
+        runs.append((h["config"]["seed"] if h else seeds[0] if seeds else None, "baseline", "lime"))
     runs += sorted((int(d[13:]), d, "lime" + d[8:]) for d in names
                    if d.startswith("baseline_seed") and d[13:].isdigit())  # d[13:]: S of baseline_seedS
-    if "summary.json" in names:
-        with open(os.path.join(out_dir, "summary.json")) as f:
-            seeds = json.load(f).get("seeds")
-        runs = [r for r in runs if seeds is None or r[0] in seeds]
+    if seeds is not None:
+        if runs and not any(r[0] in seeds for r in runs):
+            raise ValueError(f"{out_dir}/summary.json lists seeds {', '.join(map(str, seeds))}, but the runs in "
+                             f"{out_dir} are of seeds {', '.join(str(r[0]) for r in runs)}: it belongs to another "
+                             f"comparison; delete it to plot these runs")
+        runs = [r for r in runs if r[0] in seeds]
     runs = [(seed, os.path.join(out_dir, b), os.path.join(out_dir, l)) for seed, b, l in runs]
     missing = [d for r in runs for d in r[1:] if not os.path.exists(os.path.join(d, "log.jsonl"))]
     if not runs or missing:
         raise FileNotFoundError(f"no log at {missing[0] if missing else os.path.join(out_dir, 'baseline')}"
                                 f"/log.jsonl; make the runs with: python train.py --compare --out_dir={out_dir}")
     return runs
+
+
+def common_end(logs):
+    """logs: {run dir: records} -> (the last iteration evaluated in every run, each run's last evaluated
+    iteration as text). Runs cut short (still training, killed, a truncated log) are compared there."""
+    evals = {d: {r["iter"] for r in recs if r.get("val_loss") is not None} for d, recs in logs.items()}
+    ends = ", ".join(f"{os.path.basename(d)} at iter {max(e, default='none')}" for d, e in evals.items())
+    at = max(set.intersection(*evals.values()), default=0)
+    if at == 0:  # (iter 0 is the initial state: the same loss, no FLOPs spent)
+        raise ValueError(f"the runs have no evaluation in common past iter 0 yet ({ends}): nothing to compare")
+    return at, ends
 
 
 def smooth(y, k=5):
@@ -524,25 +595,44 @@ def plot_compare(path, baseline_runs, lime_runs, summary, title=""):
     axes[1].legend(handles[-k:], labels[-k:], fontsize=9, loc="upper right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=110)
-    os.replace(path + ".tmp.png", path)
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
 
 
 def report(out_dir):
-    """Draw OUT/loss_vs_flops.png, write OUT/summary.json and print the summary, from the logs alone."""
+    """Draw OUT/loss_vs_flops.png, write OUT/summary.json and print the summary, from the logs alone. Runs
+    that end at different iterations are all compared at the last one they all reached, and a summary that
+    compares them further than that is never replaced (ValueError)."""
     runs = find_runs(out_dir)
-    baseline_runs, lime_runs = [[read_log(os.path.join(r[i], "log.jsonl")) for r in runs] for i in (1, 2)]
-    summary = summarize([r[0] for r in runs], baseline_runs, lime_runs)
+    logs = {d: read_log(os.path.join(d, "log.jsonl")) for r in runs for d in r[1:]}
+    at, ends = common_end(logs)
+    cut = any(max(r["iter"] for r in recs) > at for recs in logs.values())
+    if cut:
+        print(f"note: the runs end at different iterations ({ends}); comparing them all at iter {at}, "
+              f"the last one they all reached")
+        logs = {d: [r for r in recs if r["iter"] <= at] for d, recs in logs.items()}
+    baseline_runs, lime_runs = [[logs[r[i]] for r in runs] for i in (1, 2)]
+    summary = dict(summarize([r[0] for r in runs], baseline_runs, lime_runs), iter=at)
+    old = read_summary(out_dir) or {}
+    prev = old["baseline"].get("flops") if isinstance(old.get("baseline"), dict) else None
+    if isinstance(prev, (int, float)) and summary["baseline"]["flops"] < prev:  # never a worse-informed figure
+        where = f"iter {old['iter']}" if "iter" in old else f"{prev:.3e} baseline FLOPs"
+        raise ValueError(f"not replacing {out_dir}/summary.json and loss_vs_flops.png: they compare the runs at "
+                         f"{where}, further than the logs now reach ({ends}). Let the runs finish (python train.py "
+                         f"--compare --resume=True --out_dir={out_dir}), or delete summary.json to plot them as "
+                         f"they are")
     h, title = read_log(os.path.join(runs[0][1], "log.jsonl"), header=True), ""
     if h:
         c = h["config"]
         title = (f"{c['dataset']}: n_layer={c['n_layer']}, n_embd={c['n_embd']}, n_head={c['n_head']}, block_size="
                  f"{c['block_size']}, batch_size={c['batch_size']}, {c['max_iters']} iters, lr={c['learning_rate']:g}, "
                  f"router_lr={c['router_lr']:g}; val loss on {c['eval_iters']} fixed batches")
+    if cut:
+        title += f"\ncompared at iter {at}, the last one all runs reached ({ends})"
     path = os.path.join(out_dir, "loss_vs_flops.png")
     plot_compare(path, baseline_runs, lime_runs, summary, title)
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+    with atomic_file(os.path.join(out_dir, "summary.json")) as f:
         json.dump(summary, f, indent=1)
     print("\n".join(format_summary(summary)) + f"\nwrote {path} and {os.path.join(out_dir, 'summary.json')}")
     return summary
@@ -556,14 +646,24 @@ def compare(cfg, explicit=()):
     out_dir, seeds = cfg["out_dir"], [cfg["seed"] + i for i in range(cfg["seeds"])]
     if "lime" in explicit:
         print("note: --compare trains both variants; --lime is ignored")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:  # marks which seeds belong to this comparison
-        json.dump(dict(seeds=seeds, status="training"), f)
+    dirs = [run_dir(out_dir, v, i, s) for i, s in enumerate(seeds) for v in ("baseline", "lime")]
+    found = [f for f in ("summary.json", "loss_vs_flops.png") if os.path.exists(os.path.join(out_dir, f))] + \
+        [os.path.basename(d) for d in dirs if run_files(d)]
+    if found and not cfg["resume"]:  # never replace a comparison's runs and results without being asked
+        raise ValueError(f"{out_dir} already holds a comparison ({', '.join(found)}); continue it with --compare "
+                         f"--resume=True, or use a new --out_dir (to start over, delete {out_dir} first)")
+    make_out_dir(out_dir)
+    if (read_summary(out_dir) or {}).get("seeds") != seeds:  # marks which seeds belong to this comparison
+        with atomic_file(os.path.join(out_dir, "summary.json")) as f:
+            json.dump(dict(seeds=seeds, status="training"), f)
     for i, seed in enumerate(seeds):
         for variant in ("baseline", "lime"):
             d = run_dir(out_dir, variant, i, seed)
             print(f"\n=== {variant}, seed {seed} ({i + 1}/{len(seeds)}) -> {d}")
             resume = cfg["resume"] and os.path.exists(os.path.join(d, "ckpt.pt"))
+            if cfg["resume"] and not resume and os.path.exists(os.path.join(d, "log.jsonl")):
+                print(f"note: {d} stopped before its first checkpoint; starting it over")
+                os.remove(os.path.join(d, "log.jsonl"))
             train(dict(cfg, lime=variant == "lime", seed=seed, out_dir=d, resume=resume, compare=False, seeds=1),
                   set(explicit) | {"lime", "seed"})
     print()
@@ -597,7 +697,7 @@ if __name__ == "__main__":
     sys.stdout.reconfigure(line_buffering=True)  # progress reaches `python train.py ... > log` as it happens
     try:
         main()
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad input, or a file we can't read or write: one line, not a traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
