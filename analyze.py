@@ -182,8 +182,8 @@ def val_inputs(ckpt, max_sequences=MAX_SEQUENCES, path="ckpt.pt"):
 
 WORDS = ("is", "are", "was", "were")  # the paper's four confusable words
 MIN_PER_WORD = 25    # below this many occurrences of a word, no estimate: with 25 per word every test fold
-                     # still holds 5 of each, and the CV mean rests on >= 100 predictions, whose binomial
-                     # standard error is at most 0.5 / sqrt(100) = 0.05
+                     # still holds 5 of each, and the CV mean rests on 25 predictions per word, 100 for four
+                     # words, whose binomial standard error is at most 0.5 / sqrt(100) = 0.05
 MAX_PER_WORD = 1668  # the paper's count per word; more would only cost time
 FOLDS = 5
 L2 = 1e-3            # penalty l2/2 * ||W||^2 on top of the MEAN cross-entropy; see logistic_regression()
