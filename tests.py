@@ -725,6 +725,21 @@ def test_train_resume_is_exact(tiny_data, tmp_path):
                 assert abs(ra[k] - rb[k]) <= 1e-6, (ra, rb)
 
 
+def test_train_passes_over_data(tiny_data, tmp_path, capsys):
+    """passes = max_iters x tokens per iteration / training tokens: in the run header, the log header and the
+    comparison summary; more than 2 gets a warning (overfitting, not what depth does, would dominate)."""
+    n_train = load_meta(str(tmp_path / "data" / "tiny_data"))["train_tokens"]
+    for iters, accum in ((3, 1), (200, 2)):
+        out = tmp_path / f"p{iters}"
+        train.main(tiny_data(f"--max_iters={iters}", f"--gradient_accumulation_steps={accum}", f"--out_dir={out}"))
+        passes = iters * 4 * 16 * accum / n_train  # batch_size 4 x block_size 16 tokens per micro-batch
+        assert train.read_log(str(out / "log.jsonl"), header=True)["passes"] == pytest.approx(passes)
+        printed = capsys.readouterr().out
+        assert f"{iters} iters = {passes:.2f} passes over the {n_train:,} training tokens" in printed
+        assert ("warning: " in printed) == (passes > 2)
+    assert 3 * 64 / n_train < 2 < 200 * 128 / n_train  # (both branches ran)
+
+
 def test_train_batches_depend_only_on_seed_and_iter():
     data = np.arange(1000, dtype=np.uint16)
     cfg = dict(seed=1, block_size=8, batch_size=3, gradient_accumulation_steps=2)

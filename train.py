@@ -99,6 +99,7 @@ RESUME_FIXED = ["dataset", "n_layer", "n_head", "n_embd", "block_size", "lime", 
 RESUME_KEYS = ("model_args", "model", "optimizer", "iter_num", "best_val_loss", "config", "rng_cpu")
 
 
+MAX_PASSES = 2  # a run that sees its training tokens more often than this gets a warning (overfitting, not depth)
 MIN_VALUES = dict(batch_size=1, block_size=1, n_layer=1, n_head=1, n_embd=1, eval_interval=1, eval_iters=1,
                   log_interval=1, gradient_accumulation_steps=1, seeds=1, max_iters=0, warmup_iters=0,
                   lr_decay_iters=0, min_lr=0, grad_clip=0, weight_decay=0, router_lr=0, seed=0)
@@ -300,14 +301,19 @@ def train(cfg, explicit=()):
     T, B, accum, max_iters = cfg["block_size"], cfg["batch_size"], cfg["gradient_accumulation_steps"], cfg["max_iters"]
     tokens_per_iter = B * T * accum
     flops_per_iter = 3 * raw_model.flops_per_token(T) * tokens_per_iter  # training = 3 x forward
+    passes = max_iters * tokens_per_iter / len(train_data)  # how often the run sees each training token
     val_batches = fixed_val_batches(val_data, T, B, cfg["eval_iters"])
     name = "LIMe" if cfg["lime"] else "baseline"
     print(f"{name}: {raw_model.get_num_params() / 1e6:.2f}M params | {flops_per_iter / tokens_per_iter / 1e6:.2f} "
           f"MFLOPs/token (train) | {tokens_per_iter:,} tokens/iter | {device} {dtype} | "
-          f"{cfg['data_dir']}/{cfg['dataset']} -> {out_dir}" + (f" | resuming at iter {iter_num}" if ckpt else ""))
+          f"{cfg['data_dir']}/{cfg['dataset']} -> {out_dir}" + (f" | resuming at iter {iter_num}" if ckpt else "")
+          + f"\n{name}: {max_iters} iters = {passes:.2f} passes over the {len(train_data):,} training tokens")
+    if passes > MAX_PASSES:
+        print(f"warning: {passes:.1f} passes over the training data (more than {MAX_PASSES}): late val losses then "
+              f"measure memorization as much as learning; lower --max_iters or prepare more data")
 
     start_log(log_path, {"config": cfg, "model_args": model_args, "n_params": raw_model.get_num_params(),
-                         "flops_per_iter": flops_per_iter, "tokens_per_iter": tokens_per_iter},
+                         "flops_per_iter": flops_per_iter, "tokens_per_iter": tokens_per_iter, "passes": passes},
               keep_until=iter_num if ckpt is not None else None)
     log = open(log_path, "a")
 
@@ -480,7 +486,8 @@ def format_summary(s):
     """The summary as printed lines."""
     n, ratio = len(s["seeds"]), lambda r: "never" if r is None else f"{r:.2f}x"
     pm = lambda v: f"{s[v]['val_loss_mean']:.4f}" + (f" ± {s[v]['val_loss_std']:.4f}" if n > 1 else "")
-    lines = [f"final val loss, {n} seed{'s' if n > 1 else ''} ({', '.join(map(str, s['seeds']))})"
+    passes = f", {s['passes']:.2f} passes over the training tokens" if s.get("passes") else ""
+    lines = [f"final val loss, {n} seed{'s' if n > 1 else ''} ({', '.join(map(str, s['seeds']))}){passes}"
              + (", mean ± std:" if n > 1 else ":"),
              f"  baseline  {pm('baseline')}  after {s['baseline']['flops']:.3e} FLOPs",
              f"  LIMe      {pm('lime')}  after {s['lime']['flops']:.3e} FLOPs"]
@@ -624,7 +631,7 @@ def report(out_dir):
                          f"they are")
     h, title = read_log(os.path.join(runs[0][1], "log.jsonl"), header=True), ""
     if h:
-        c = h["config"]
+        c, summary["passes"] = h["config"], h.get("passes")
         title = (f"{c['dataset']}: n_layer={c['n_layer']}, n_embd={c['n_embd']}, n_head={c['n_head']}, block_size="
                  f"{c['block_size']}, batch_size={c['batch_size']}, {c['max_iters']} iters, lr={c['learning_rate']:g}, "
                  f"router_lr={c['router_lr']:g}; val loss on {c['eval_iters']} fixed batches")
