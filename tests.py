@@ -1086,6 +1086,34 @@ def test_train_compare_two_seeds(tiny_data, tmp_path, monkeypatch):
     assert os.path.exists(os.path.join(out, "lime_seed6", "ckpt.pt"))
 
 
+def test_train_depth_sweep(tiny_data, tmp_path, monkeypatch, capsys):
+    """--compare --depths: a comparison per depth in OUT/depthL, resumable when half finished (finished
+    depths kept as they are), and sweep.json's numbers are those of the runs' logs."""
+    monkeypatch.setattr(train, "run_analyze", lambda out_dir, device="auto": None)
+    out = str(tmp_path / "sweep")
+    flags = tiny_data("--compare", "--max_iters=4", f"--out_dir={out}")
+    train.main(flags + ["--depths=1"])                                   # half of the sweep
+    log1 = open(os.path.join(out, "depth1", "lime", "log.jsonl")).read()
+    with pytest.raises(ValueError, match="already holds a comparison"):  # not without --resume
+        train.main(flags + ["--depths=1,2"])
+    s = train.main(flags + ["--depths=2,1", "--resume=True"])           # the rest
+    assert sorted(os.listdir(out)) == ["depth1", "depth2", "loss_vs_depth.png", "sweep.json"]
+    assert open(os.path.join(out, "depth1", "lime", "log.jsonl")).read().split("\n")[1:] == log1.split("\n")[1:]
+    assert s["depths"] == [1, 2] and json.load(open(os.path.join(out, "sweep.json"))) == s
+    for row in s["per_depth"]:
+        for v in ("baseline", "lime"):
+            d = os.path.join(out, f"depth{row['n_layer']}", v)
+            last = [r for r in records(d) if "val_loss" in r][-1]
+            assert row[v]["val_loss"] == [last["val_loss"]] and row[v]["flops"] == last["flops"]
+            assert common.load_checkpoint(d)[0].config.n_layer == row["n_layer"]
+    assert s["per_depth"][1]["baseline"]["flops"] > s["per_depth"][0]["baseline"]["flops"]
+    printed = capsys.readouterr().out
+    assert "LIMe at 1 layers" in printed and "baseline at 2 layers" in printed
+    assert train.main([f"--plot={out}"]) == s                            # redrawn from the logs alone
+    with pytest.raises(ValueError, match="--depths=4,x is not"):
+        train.main(flags + ["--depths=4,x"])
+
+
 # ----------------------------------------------------------------------------- sample.py
 
 SAMPLE_TEXT = "ROMEO: But soft, what light through yonder window breaks?\nJULIET: Ay me!\n" * 20

@@ -71,6 +71,8 @@ FLAGS = [  # name, type, default, help
     ("resume", bool, False, "continue the run in out_dir from its checkpoint"),
     ("compare", bool, False, "train baseline and LIMe into out_dir/{baseline,lime}, then plot and summarize"),
     ("seeds", int, 1, "with --compare: train each variant with seeds seed, seed+1, ..."),
+    ("depths", str, None, "with --compare: a depth sweep, e.g. 4,8,16: a --compare per n_layer into "
+                          "out_dir/depthL, then out_dir/loss_vs_depth.png"),
     ("plot", str, None, "DIR: redraw DIR/loss_vs_flops.png and DIR/summary.json from the logs, no training"),
     ("analyze", str, None, "DIR: run analyze.analyze_compare on a --compare folder, no training"),
     ("preset", str, "cpu", "cpu | gpu | deep, see PRESETS"),
@@ -84,14 +86,22 @@ PRESETS = {
     # eager LIMe at lower MFU takes longer. The quickstart data is far too small for it (~200 epochs: it overfits).
     "gpu": dict(n_layer=12, n_head=8, n_embd=512, block_size=512, batch_size=32, max_iters=5000,
                 eval_interval=250, eval_iters=40, log_interval=50, warmup_iters=200, learning_rate=1e-3),
-    # deep and narrow, where the mix is the largest share of the work (the shape bench.py measures).
-    # On 2 CPU cores: ~530 ms/iter baseline, ~920 LIMe, so a --compare takes ~25 min
-    "deep": dict(n_layer=24, n_head=4, n_embd=64, block_size=128, batch_size=32, max_iters=1000,
-                 eval_interval=100, eval_iters=10, log_interval=20, warmup_iters=50, learning_rate=2e-3),
+    # deep and narrow, where the mix is the largest share of the work (the shape bench.py measures). 480 iters
+    # of 4096 tokens: 1.96 passes over tiny Shakespeare's 1.0M training tokens (more would measure memorization)
+    "deep": dict(n_layer=24, n_head=4, n_embd=64, block_size=128, batch_size=32, max_iters=480,
+                 eval_interval=40, eval_iters=10, log_interval=20, warmup_iters=50, learning_rate=2e-3),
+    # depth sweep on a CPU (--compare runs it): the deep preset's width, schedule and tokens at 4, 8 and 16 layers
+    "depth": dict(depths="4,8,16", n_head=4, n_embd=64, block_size=128, batch_size=32, max_iters=480,
+                  eval_interval=40, eval_iters=10, log_interval=20, warmup_iters=50, learning_rate=2e-3),
+    # the paper's deep shape (width 256, 8 heads) at 32, 64 and 128 layers, for one GPU: 65.5M tokens per run, so
+    # it needs a corpus of >= 33M tokens (2 passes). 2.35e17 training FLOPs per seed for all six runs (GPT-2
+    # vocab; the 128-layer LIMe alone 7.2e16). Estimated, not measured: ~15 min per seed on an H100 at 30% MFU
+    "depth-gpu": dict(depths="32,64,128", n_head=8, n_embd=256, block_size=512, batch_size=32, max_iters=4000,
+                      eval_interval=250, eval_iters=40, log_interval=50, warmup_iters=200, learning_rate=1e-3),
 }
 # taken from the command line even on --resume (how to run, not what to train)
 RUNTIME = {"out_dir", "device", "dtype", "compile", "fused_mix", "resume", "compare", "seeds", "plot", "analyze",
-           "preset"}
+           "preset", "depths"}
 # on --resume these must match the checkpoint if given explicitly: the run would no longer be the same run
 RESUME_FIXED = ["dataset", "n_layer", "n_head", "n_embd", "block_size", "lime", "seed", "batch_size",
                 "gradient_accumulation_steps"]
@@ -679,6 +689,105 @@ def compare(cfg, explicit=()):
     return summary
 
 
+# -----------------------------------------------------------------------------------------------------
+# depth sweep: a --compare per depth into OUT/depthL, then final val loss against depth and FLOPs
+
+def parse_depths(s):
+    try:
+        depths = sorted({int(d) for d in s.split(",")})
+    except ValueError:
+        depths = []
+    if not depths or depths[0] < 1:
+        raise ValueError(f"--depths={s} is not a comma-separated list of layer counts >= 1, e.g. --depths=4,8,16")
+    return depths
+
+
+def sweep(cfg, explicit=()):
+    """--compare at every depth of --depths (same width, heads, tokens, schedule and seeds), into
+    OUT/depthL; then sweep_report(OUT). With --resume, finished runs are kept and the others continue."""
+    out_dir = cfg["out_dir"] or "out-depth"
+    for L in parse_depths(cfg["depths"]):
+        print(f"\n##### depth {L}")
+        compare(dict(cfg, n_layer=L, out_dir=os.path.join(out_dir, f"depth{L}"), depths=None),
+                set(explicit) | {"n_layer"})
+    return sweep_report(out_dir)
+
+
+def final_val(recs):
+    """(iter, val loss, FLOPs) of a log's last evaluation."""
+    r = [r for r in recs if r.get("val_loss") is not None][-1]
+    return r["iter"], r["val_loss"], r["flops"]
+
+
+def sweep_report(out_dir):
+    """OUT/sweep.json, OUT/loss_vs_depth.png and a printed summary, from the logs of OUT/depthL alone: per
+    depth and variant, every seed's final val loss, their mean, min and max, and the training FLOPs."""
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    depths = sorted(int(d[5:]) for d in names if d.startswith("depth") and d[5:].isdigit())
+    if not depths:
+        raise FileNotFoundError(f"no depth runs in {out_dir} (expected {out_dir}/depthL); make them with: "
+                                f"python train.py --compare --depths=4,8,16 --out_dir={out_dir}")
+    rows = []
+    for L in depths:
+        runs = find_runs(os.path.join(out_dir, f"depth{L}"))
+        row = dict(n_layer=L, seeds=[r[0] for r in runs])
+        for i, v in ((1, "baseline"), (2, "lime")):
+            ends = [final_val(read_log(os.path.join(r[i], "log.jsonl"))) for r in runs]
+            losses = [e[1] for e in ends]
+            row[v] = dict(iters=[e[0] for e in ends], val_loss=losses, mean=float(np.mean(losses)),
+                          min=min(losses), max=max(losses), flops=float(np.mean([e[2] for e in ends])))
+        rows.append(row)
+    lines = [f"final val loss by depth, mean over seeds (min-max); {out_dir}"]
+    for r in rows:
+        b, l = r["baseline"], r["lime"]
+        lines.append(f"  {r['n_layer']:>3} layers, {len(r['seeds'])} seed{'s' if len(r['seeds']) > 1 else ''}: "
+                     f"baseline {b['mean']:.4f} ({b['min']:.4f}-{b['max']:.4f}) {b['flops']:.2e} FLOPs | "
+                     f"LIMe {l['mean']:.4f} ({l['min']:.4f}-{l['max']:.4f}) {l['flops']:.2e} FLOPs | "
+                     f"LIMe - baseline {l['mean'] - b['mean']:+.4f}")
+    by_depth = {r["n_layer"]: r for r in rows}
+    for L in depths:  # the paper's question: LIMe at depth L against the baseline at 2L
+        if 2 * L in by_depth:
+            l, b = by_depth[L]["lime"], by_depth[2 * L]["baseline"]
+            lines.append(f"  LIMe at {L} layers {l['mean']:.4f} with {l['flops'] / b['flops']:.2f}x the FLOPs of the "
+                         f"baseline at {2 * L} layers {b['mean']:.4f}")
+    summary = dict(depths=depths, per_depth=rows)
+    with atomic_file(os.path.join(out_dir, "sweep.json")) as f:
+        json.dump(summary, f, indent=1)
+    path = os.path.join(out_dir, "loss_vs_depth.png")
+    plot_depths(path, rows)
+    print("\n".join(lines) + f"\nwrote {path} and {os.path.join(out_dir, 'sweep.json')}")
+    return summary
+
+
+def plot_depths(path, rows):
+    """Final val loss against depth (left) and against training FLOPs (right), both variants, mean with a
+    min-max band over seeds; written atomically to path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for v, color, label in (("baseline", "tab:blue", "baseline"), ("lime", "tab:red", "LIMe")):
+        depth = [r["n_layer"] for r in rows]
+        mean, lo, hi, flops = ([r[v][k] for r in rows] for k in ("mean", "min", "max", "flops"))
+        for ax, x in zip(axes, (depth, flops)):
+            ax.plot(x, mean, color=color, marker="o", lw=2, label=label)
+            if any(len(r["seeds"]) > 1 for r in rows):
+                ax.fill_between(x, lo, hi, color=color, alpha=0.2, lw=0, label=f"{label}, min-max over seeds")
+        for L, f, m in zip(depth, flops, mean):
+            axes[1].annotate(f"{L}", (f, m), textcoords="offset points", xytext=(4, 4), fontsize=8, color=color)
+    axes[0].set(xscale="log", xlabel="layers", ylabel="final val loss (nats/token)", title="final val loss vs depth")
+    axes[0].set_xticks(depth, [str(d) for d in depth])
+    axes[1].set(xscale="log", xlabel="training FLOPs", ylabel="final val loss (nats/token)",
+                title="final val loss vs training FLOPs (labels: layers)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
+    plt.close(fig)
+
+
 def run_analyze(out_dir, device="auto"):
     """`python analyze.py OUT`: the paper's analyses of a --compare folder. A separate process, so the
     scripts never import each other (analyze.py takes what it shares with this file from common.py)."""
@@ -689,12 +798,15 @@ def run_analyze(out_dir, device="auto"):
 
 def main(argv=None):
     cfg, explicit = get_config(argv)
-    if cfg["plot"]:
-        return report(cfg["plot"])
+    if cfg["plot"]:  # a depth sweep's folder, or a comparison's
+        is_sweep = os.path.isdir(cfg["plot"]) and any(d.startswith("depth") for d in os.listdir(cfg["plot"]))
+        return sweep_report(cfg["plot"]) if is_sweep else report(cfg["plot"])
     if cfg["analyze"]:
         return run_analyze(cfg["analyze"], cfg["device"])
+    if cfg["depths"] and not cfg["compare"]:
+        raise ValueError("--depths is for --compare: python train.py --compare --depths=4,8,16")
     if cfg["compare"]:
-        return compare(cfg, explicit)
+        return sweep(cfg, explicit) if cfg["depths"] else compare(cfg, explicit)
     if cfg["seeds"] != 1:
         raise ValueError("--seeds is for --compare; a single run uses --seed")
     return train(cfg, explicit)
