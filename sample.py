@@ -10,6 +10,7 @@ The tokenizer is rebuilt from the dataset's meta.json stored in the checkpoint, 
 """
 
 import argparse
+import math
 import sys
 import time
 from contextlib import nullcontext
@@ -96,8 +97,9 @@ def main(argv=None):
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on cuda if supported, else float32), "
                                                    "float32, bfloat16, float16")
     args = p.parse_args(argv)
-    if args.num_samples < 1 or args.max_new_tokens < 0 or args.top_k < 0 or args.temperature < 0:
-        raise ValueError("need num_samples >= 1, max_new_tokens >= 0, top_k >= 0 and temperature >= 0")
+    if args.num_samples < 1 or args.max_new_tokens < 0 or args.top_k < 0 or not 0 <= args.temperature < math.inf:
+        raise ValueError(f"need --num_samples >= 1, --max_new_tokens >= 0, --top_k >= 0 and a finite --temperature "
+                         f">= 0, got {args.num_samples}, {args.max_new_tokens}, {args.top_k} and {args.temperature}")
 
     device, _, dtype, ctx, _ = setup_device(args.device, args.dtype)  # ValueError if the device isn't there
     model, ckpt = load_checkpoint(args.out_dir, device)
