@@ -320,6 +320,8 @@ def train(cfg, explicit=()):
     cfg = resolve(cfg)
     out_dir, ckpt = cfg["out_dir"], None
     ckpt_path, log_path = os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "log.jsonl")
+    rank, world = ddp_rank_world()
+    master = rank == 0  # rank 0 alone checks and writes out_dir, evaluates, logs and checkpoints
     if cfg["resume"]:
         if not os.path.exists(ckpt_path):
             hint = (f"for a comparison: python train.py --compare --resume=True --out_dir={out_dir}"
@@ -329,11 +331,9 @@ def train(cfg, explicit=()):
             raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}; {hint}")
         ckpt = read_checkpoint(ckpt_path, "cpu", RESUME_KEYS)
         cfg = resolve(resume_config(ckpt, cfg, explicit, ckpt_path))
-    elif run_files(out_dir):  # never replace a run's checkpoint and log without being asked
+    elif master and run_files(out_dir):  # never replace a run's checkpoint and log without being asked
         raise ValueError(f"{out_dir} already holds a run ({', '.join(run_files(out_dir))}); continue it with "
                          f"--resume=True, or train into a new --out_dir (to start over, delete {out_dir} first)")
-    rank, world = ddp_rank_world()
-    master = rank == 0  # rank 0 alone evaluates, logs and checkpoints
     if cfg["gradient_accumulation_steps"] % world:
         raise ValueError(f"--gradient_accumulation_steps={cfg['gradient_accumulation_steps']} is not divisible by "
                          f"the {world} processes: it counts the micro-batches of one step over all of them "
@@ -342,7 +342,8 @@ def train(cfg, explicit=()):
     if ckpt is not None:  # the data must be the data it was trained on
         check_dataset(ckpt, meta, os.path.join(cfg["data_dir"], cfg["dataset"]), ckpt_path)
     device, device_type, dtype, ctx, peak = setup_device(cfg["device"], cfg["dtype"])
-    make_out_dir(out_dir)
+    if master:
+        make_out_dir(out_dir)
 
     torch.manual_seed(cfg["seed"])  # right before the model: same non-router init with and without LIMe
     model_args = asdict(GPTConfig(vocab_size=meta["vocab_size"], block_size=cfg["block_size"],
@@ -752,17 +753,17 @@ def compare(cfg, explicit=()):
     if "lime" in explicit:
         print("note: --compare trains both variants; --lime is ignored")
     master = ddp_rank_world()[0] == 0
-    dirs = [run_dir(out_dir, v, i, s) for i, s in enumerate(seeds) for v in ("baseline", "lime")]
-    found = [f for f in ("summary.json", "loss_vs_flops.png") if os.path.exists(os.path.join(out_dir, f))] + \
-        [os.path.basename(d) for d in dirs if run_files(d)]
-    if master and found and not cfg["resume"]:  # never replace a comparison's runs and results without being asked
-        raise ValueError(f"{out_dir} already holds a comparison ({', '.join(found)}); continue it with --compare "
-                         f"--resume=True, or use a new --out_dir (to start over, delete {out_dir} first)")
-    if master:  # (under torchrun rank 0 alone looks above: the others might see what it writes here)
+    if master:  # under torchrun rank 0 alone looks and writes here (the others might see its writes, and refuse)
+        dirs = [run_dir(out_dir, v, i, s) for i, s in enumerate(seeds) for v in ("baseline", "lime")]
+        found = [f for f in ("summary.json", "loss_vs_flops.png") if os.path.exists(os.path.join(out_dir, f))] + \
+            [os.path.basename(d) for d in dirs if run_files(d)]
+        if found and not cfg["resume"]:  # never replace a comparison's runs and results without being asked
+            raise ValueError(f"{out_dir} already holds a comparison ({', '.join(found)}); continue it with --compare "
+                             f"--resume=True, or use a new --out_dir (to start over, delete {out_dir} first)")
         make_out_dir(out_dir)
-    if master and (read_summary(out_dir) or {}).get("seeds") != seeds:  # marks which seeds belong to this comparison
-        with atomic_file(os.path.join(out_dir, "summary.json")) as f:
-            json.dump(dict(seeds=seeds, status="training"), f)
+        if (read_summary(out_dir) or {}).get("seeds") != seeds:  # marks which seeds belong to this comparison
+            with atomic_file(os.path.join(out_dir, "summary.json")) as f:
+                json.dump(dict(seeds=seeds, status="training"), f)
     for i, seed in enumerate(seeds):
         for variant in ("baseline", "lime"):
             d = run_dir(out_dir, variant, i, seed)
@@ -770,7 +771,8 @@ def compare(cfg, explicit=()):
             resume = cfg["resume"] and os.path.exists(os.path.join(d, "ckpt.pt"))
             if cfg["resume"] and not resume and os.path.exists(os.path.join(d, "log.jsonl")):
                 print(f"note: {d} stopped before its first checkpoint; starting it over")
-                os.remove(os.path.join(d, "log.jsonl"))
+                if master:
+                    os.remove(os.path.join(d, "log.jsonl"))
             train(dict(cfg, lime=variant == "lime", seed=seed, out_dir=d, resume=resume, compare=False, seeds=1),
                   set(explicit) | {"lime", "seed"})
     if not master:
