@@ -28,7 +28,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from prepare_data import load_tokens
+from prepare_data import load_rows, load_tokens
 from common import fixed_val_batches, load_checkpoint, setup_device
 
 MAX_BATCHES, MAX_SEQUENCES = 8, 64  # plenty for a stable mean (it varies little across sequences), and
@@ -141,8 +141,13 @@ def val_inputs(ckpt, max_sequences=MAX_SEQUENCES):
     """Inputs x of the first fixed validation batches of the checkpoint's dataset (train.py evaluates on
     the same ones): as many as eval uses, but at most MAX_BATCHES and just enough for max_sequences."""
     cfg = ckpt["config"]
-    data = load_tokens(os.path.join(cfg["data_dir"], cfg["dataset"]), "val")
+    path = os.path.join(cfg["data_dir"], cfg["dataset"])
     n = min(cfg.get("eval_iters", MAX_BATCHES), MAX_BATCHES, math.ceil(max_sequences / cfg["batch_size"]))
+    if ckpt.get("meta", {}).get("layout") == "rows":  # a task: the first val problems, whole rows, as train.py
+        rows = load_rows(path, "val", ckpt["meta"])       # evaluates them (its inputs: all but a row's last token)
+        B = cfg["batch_size"]
+        return [torch.from_numpy(rows[i:i + B, :-1].astype(np.int64)) for i in range(0, min(len(rows), n * B), B)]
+    data = load_tokens(path, "val")
     return [x for x, _ in fixed_val_batches(data, cfg["block_size"], cfg["batch_size"], n, seed=0)]
 
 # -----------------------------------------------------------------------------

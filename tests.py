@@ -515,6 +515,102 @@ def test_data_cli_error_is_one_line(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+# prepare_data.py --task=arithmetic
+
+def _field_value(toks, p):
+    """Value mod p of an expression (a step of a solution), computed independently of the generator: Python
+    evaluates it over the rationals (Fractions, usual precedence), then maps the result into the field. Valid
+    because no divisor is 0 mod p, so no denominator is ever divisible by p."""
+    from fractions import Fraction
+    src = "".join(f"Fraction({t})" if isinstance(t, int) else t for t in toks)
+    v = eval(src, {"Fraction": Fraction})
+    return v.numerator * pow(v.denominator, p - 2, p) % p
+
+def _one_operation_apart(a, b):
+    """b is a with one 'x op y' replaced by a number (and the parentheses around it dropped if it's alone)."""
+    for k in range(1, len(a) - 1):
+        if a[k] in ("+", "-", "*", "/") and isinstance(a[k - 1], int) and isinstance(a[k + 1], int):
+            if b == a[:k - 1] + b[k - 1:k] + a[k + 2:] and isinstance(b[k - 1], int):
+                return True
+            if 0 < k - 1 and a[k - 2] == "(" and a[k + 2:k + 3] == [")"] and \
+                    b == a[:k - 2] + b[k - 2:k - 1] + a[k + 3:] and isinstance(b[k - 2], int):
+                return True
+    return False
+
+@pytest.mark.parametrize("operands, p", [(2, 11), (4, 11), (6, 11), (6, 7), (8, 13)])
+def test_task_every_step_is_a_correct_rewrite(operands, p):
+    rng = np.random.default_rng(operands)
+    for expr in prepare_data.make_problems(200, operands, p, rng):
+        toks = prepare_data.problem_tokens(expr, p)
+        assert toks[-1] == "." and "." not in toks[:-1]
+        steps, cur = [], []
+        for t in toks[:-1]:  # split at "="
+            if t == "=":
+                steps.append(cur)
+                cur = []
+            else:
+                cur.append(t)
+        steps.append(cur)
+        assert steps[0] == expr and len(steps) == operands  # the expression, then one step per operation
+        answer = _field_value(expr, p)
+        assert steps[-1] == [answer]
+        for a, b in zip(steps, steps[1:]):
+            assert _one_operation_apart(a, b), (a, b)
+            assert _field_value(b, p) == answer, (a, b)  # every step keeps the value
+        ids = prepare_data.encode_problem(toks, p)
+        assert ids[-2] == answer and prepare_data.task_answer(ids[len(expr) + 1:], dict(
+            end_id=p + 7, eq_id=p + 6, prime=p)) == answer
+
+def test_task_rewrite_rule_by_hand():
+    p = 11
+    text = lambda toks: prepare_data.problem_text(prepare_data.encode_problem(toks, p), p)
+    expr = prepare_data.parse_expression("(7+5)/(6+4*3-2*7)", p)
+    assert text(prepare_data.problem_tokens(expr, p)) == "(7+5)/(6+4*3-2*7)=1/(6+4*3-2*7)=1/(6+1-2*7)=1/(6+1-3)=1/(7-3)=1/4=3."
+    assert text(prepare_data.problem_tokens(prepare_data.parse_expression("8-3-2", p), p)) == "8-3-2=5-2=3."
+    assert text(prepare_data.problem_tokens(prepare_data.parse_expression("A/5*3", p), p)) == "A/5*3=2*3=6."
+    assert prepare_data.render(("-", 1, ("+", 2, 3))) == [1, "-", "(", 2, "+", 3, ")"]
+    for bad in ["3+", "(3+4", "3+4)", "34+1", "3+B", "", "3=4"]:
+        with pytest.raises(ValueError):
+            prepare_data.parse_expression(bad, p)
+
+def test_task_dataset_disjoint_deterministic(tmp_path):
+    kw = dict(operands=4, prime=11, train_size=300, val_size=40, test_size=50)
+    m1 = prepare_data.prepare_arithmetic(str(tmp_path / "a"), seed=3, **kw)
+    prepare_data.prepare_arithmetic(str(tmp_path / "b"), seed=3, **kw)
+    prepare_data.prepare_arithmetic(str(tmp_path / "c"), seed=4, **kw)
+    files = lambda d: {f: open(tmp_path / d / f, "rb").read() for f in sorted(os.listdir(tmp_path / d))}
+    assert files("a") == files("b") and files("a") != files("c")  # same seed, same bytes
+    assert sorted(files("a")) == ["meta.json", "test.bin", "train.bin", "val.bin"]
+    meta = load_meta(str(tmp_path / "a"))
+    assert meta == m1 and meta["layout"] == "rows" and meta["vocab_size"] == 20 and meta["chars"][:11] == list("0123456789A")
+    prompts = {}
+    for split, n in (("train", 300), ("val", 40), ("test", 50)):
+        rows = prepare_data.load_rows(str(tmp_path / "a"), split, meta)
+        assert rows.shape == (n, meta["row_length"]) and meta[f"{split}_rows"] == n
+        end = (rows == meta["end_id"]).argmax(1)
+        assert (rows == meta["end_id"]).sum(1).tolist() == [1] * n and (end == meta["row_length"] - 1).any()
+        for r, e in zip(rows, end):  # padding after the end token, and only there
+            assert (r[e + 1:] == meta["pad_id"]).all() and (r[:e] != meta["pad_id"]).all()
+        prompts[split] = {tuple(r[:list(r).index(meta["eq_id"])]) for r in rows}
+        assert len(prompts[split]) == n  # no repeats within a split
+    assert not prompts["test"] & prompts["train"] and not prompts["val"] & prompts["train"] and not prompts["test"] & prompts["val"]
+    with pytest.raises(ValueError, match="distinct expressions"):  # 2 operands mod 3: only 33 expressions exist
+        prepare_data.prepare_arithmetic(str(tmp_path / "d"), operands=2, prime=3, train_size=40, val_size=1, test_size=1)
+    with pytest.raises(ValueError, match="prime"):
+        prepare_data.main([f"--data_dir={tmp_path}", "--task=arithmetic", "--prime=12"])
+    assert not os.path.exists(tmp_path / "d") and not os.path.exists(tmp_path / "arithmetic6")
+
+def test_task_answer_metric_by_hand():
+    p, meta = 11, dict(end_id=18, eq_id=17, prime=11)
+    enc = lambda text: [prepare_data.task_chars(p).index(c) for c in text]
+    assert prepare_data.task_answer(enc("2*3=6.__"), meta) == 6            # right (whatever the steps)
+    assert prepare_data.task_answer(enc("6.____"), meta) == 6              # an answer straight away
+    assert prepare_data.task_answer(enc("2*3=7.__"), meta) == 7            # a wrong answer is still an answer
+    for unparseable in ["2*3=6", "2*3=6_", "2*3=.", "2*3=6+1.", "2*3=(6).", "2*3=67.", "."]:
+        assert prepare_data.task_answer(enc(unparseable), meta) is None, unparseable
+    assert prepare_data.task_answer(enc("2*3=6.=5."), meta) == 6           # the first end token ends it
+
+
 # ----------------------------------------------------------------------------- train.py: training, resume, logs, comparison
 
 TRAIN_TEXT = "".join(f"{i}: The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs!\n"
