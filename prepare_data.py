@@ -193,7 +193,8 @@ def _prepare_cmd(data_dir):
     data_dir = os.path.normpath(data_dir)
     name, parent = os.path.basename(data_dir), os.path.dirname(data_dir)
     cmd = "python prepare_data.py" if name == "quickstart" else \
-          f"python prepare_data.py --task=arithmetic --operands={name[10:]}" if re.fullmatch(r"arithmetic\d+", name) else \
+          f"python prepare_data.py --task=arithmetic --operands={name[10:]}".replace("_p", " --prime=") \
+          if re.fullmatch(r"arithmetic\d+(_p\d+)?", name) else \
           f"python prepare_data.py --input=YOUR_TEXT.txt --name={shlex.quote(name)}"
     return cmd if parent == "data" else f"{cmd} --data_dir={shlex.quote(parent or '.')}"
 
@@ -239,11 +240,11 @@ def load_rows(data_dir, split, meta):
 # -----------------------------------------------------------------------------
 # the arithmetic task: expressions mod a prime p, each followed by its step-by-step solution
 #
-# A problem is one row of tokens, e.g. with p = 11 ("A" is the number 10):
-#     (7+5)/(6+4*3-2*7)=1/(6+4*3-2*7)=1/(6+1-2*7)=1/(6+1-3)=1/(7-3)=1/4=3.____
+# A problem is one row of tokens, e.g. with p = 7 (the default):
+#     (3+5)/(6+4*3-2*1)=1/(6+4*3-2*1)=1/(6+5-2*1)=1/(6+5-2)=1/(4-2)=1/2=4.____
 # prompt = the expression and the first "=", then the solution: one operation per step, each step
 # followed by "=", the answer, the end token ".", and padding "_" up to the row length.
-# Numbers are single tokens whose id is their value (0..p-1, written 0-9 then A-Z); a/b means
+# Numbers are single tokens whose id is their value (0..p-1, written 0-9 then A-Z: A = 10 for p > 10); a/b means
 # a * b^(p-2) mod p, the inverse of b in the field, so it is defined whenever b != 0.
 
 SYMBOLS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"  # how the numbers 0..35 are written
@@ -386,7 +387,11 @@ def make_problems(n_problems, operands, p, rng):
         problems.append(list(expr))
     return problems
 
-def prepare_arithmetic(out_dir, operands=6, prime=11, train_size=50000, val_size=1000, test_size=1000, seed=1337):
+def task_name(operands, prime):
+    """The default dataset folder: arithmetic6 for 6 operands mod 7 (the default prime), arithmetic6_p11 mod 11."""
+    return f"arithmetic{operands}" + ("" if prime == 7 else f"_p{prime}")
+
+def prepare_arithmetic(out_dir, operands=6, prime=7, train_size=50000, val_size=1000, test_size=1000, seed=1337):
     """Write the arithmetic task to out_dir/{train,val,test}.bin + meta.json: one problem per row, padded
     to the longest problem. The splits are disjoint: distinct expressions, the first test_size drawn go to
     test, the next val_size to val, the rest to train."""
@@ -471,7 +476,7 @@ def read_inputs(paths):
 def main_task(args):
     if args.input:
         raise ValueError("--task makes its own data: drop --input")
-    out_dir = os.path.join(args.data_dir, args.name or f"arithmetic{args.operands}")
+    out_dir = os.path.join(args.data_dir, args.name or task_name(args.operands, args.prime))
     meta = prepare_arithmetic(out_dir, args.operands, args.prime, args.train_size, args.val_size, args.test_size,
                               args.seed)
     rows = load_rows(out_dir, "train", meta)
@@ -492,7 +497,7 @@ def main(argv=None):
     task.add_argument("--task", choices=["arithmetic"], help="arithmetic: expressions mod a prime with "
                       "step-by-step solutions, one problem per row -> data/arithmetic<operands>/")
     task.add_argument("--operands", type=int, default=6, help="numbers per expression")
-    task.add_argument("--prime", type=int, default=11, help="the modulus p (numbers 0..p-1, one token each)")
+    task.add_argument("--prime", type=int, default=7, help="the modulus p (numbers 0..p-1, one token each)")
     task.add_argument("--train_size", type=int, default=50000, help="training problems")
     task.add_argument("--val_size", type=int, default=1000, help="validation problems (val loss, accuracy during training)")
     task.add_argument("--test_size", type=int, default=1000, help="test problems (final accuracy)")

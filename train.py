@@ -86,7 +86,7 @@ PRESETS = {
                  eval_interval=100, eval_iters=10, log_interval=20, warmup_iters=50, learning_rate=2e-3),
     # the arithmetic task (prepare_data.py --task=arithmetic), the paper's model shape: 4 layers, 4 heads, width 32.
     # block_size comes from the dataset (its row length - 1). CPU: see the README for the measured times
-    "arithmetic": dict(dataset="arithmetic6", n_layer=4, n_head=4, n_embd=32, batch_size=64, max_iters=3000,
+    "arithmetic": dict(dataset="arithmetic5", n_layer=4, n_head=4, n_embd=32, batch_size=64, max_iters=2000,
                        eval_interval=250, eval_iters=8, log_interval=50, warmup_iters=100, learning_rate=3e-3),
     # the paper's schedule: 200 epochs of the 50,000 training problems, lr 1e-3 decaying linearly (to 0). Batch
     # size 256 is our choice (195.3 steps per epoch, 39,063 steps). Not run here
