@@ -8,10 +8,12 @@ Train a GPT with or without LIMe, or both on identical data, and compare loss ag
     python train.py --compare --preset=gpu         # bigger model for one GPU; --preset=deep: 24 narrow layers
     python train.py --plot out-compare             # redraw the figure and summary from the logs
     python train.py --out_dir=out --resume=True    # continue a run exactly where it stopped
+    python train.py --compare --preset=arithmetic  # the arithmetic task (prepare_data.py --task=arithmetic
+                                                   # --operands=5 first): accuracy vs FLOPs too
 
-Flags are nanoGPT's, written --key=value. A preset (cpu, the default; gpu; deep) sets the model size and
-schedule; flags given explicitly override it. Training FLOPs = 3 x model.flops_per_token(block_size) x tokens
-seen (2 FLOPs per multiply-add, attention over the full T x T square, see lime.py).
+Flags are nanoGPT's, written --key=value. A preset (cpu, the default; gpu; deep; arithmetic; arithmetic-gpu) sets
+the model size and schedule; flags given explicitly override it. Training FLOPs = 3 x model.flops_per_token(block_size)
+x tokens seen (2 FLOPs per multiply-add, attention over the full T x T square, see lime.py; on a task, padding too).
 """
 
 import argparse
@@ -757,8 +759,8 @@ def plot_accuracy(path, baseline_runs, lime_runs, summary, title=""):
         axes[1].axvline(a["mean_curve"]["lime_flops_to_match"], color="tab:red", ls=":", lw=1.2,
                         label=f"LIMe reaches it: {a['mean_curve']['ratio']:.2f}x the FLOPs")
     n = len(baseline_runs)
-    axes[0].set(xlabel="cumulative training FLOPs", ylabel="loss on the solution tokens (nats/token)",
-                title="loss vs training FLOPs" + (f" (mean of {n} seeds)" if n > 1 else ""))
+    axes[0].set(xlabel="cumulative training FLOPs", ylabel="loss on the solution tokens (nats/token)", yscale="log",
+                title="loss vs training FLOPs" + (f" (mean of {n} seeds, log scale)" if n > 1 else " (log scale)"))
     axes[1].set(xlabel="cumulative training FLOPs", ylabel="accuracy (%)", title=f"accuracy vs training FLOPs: "
                 f"greedy solutions of {ACCURACY_PROBLEMS} val problems, final answer correct")
     for ax in axes:
