@@ -1,9 +1,10 @@
 """
-The paper's two analyses of a baseline-vs-LIMe comparison run, as figures plus the numbers behind them.
+The paper's three analyses of a baseline-vs-LIMe comparison run, as figures plus the numbers behind them.
 
     python analyze.py out-compare                  # OUT/baseline + OUT/lime -> OUT/*.png, OUT/analysis.json
     python analyze.py out-compare other/lime ...   # extra run dirs join the value-entropy figure
     python analyze.py out-compare --layer=3        # per-head router detail for layer 3 (default: the last)
+    python analyze.py out-compare --words=the,and  # other words for the separability probe
 
 1. Router maps (LIMe run). How much layer l reads from each source layer m <= l: for head r of layer l,
    share[r, m] = sum_{j in layer m's heads} W_l[r, j]^2 / sum_j W_l[r, j]^2, then the mean over heads r.
@@ -12,6 +13,10 @@ The paper's two analyses of a baseline-vs-LIMe comparison run, as figures plus t
 2. Value entropy (every run). Matrix-based Renyi entropy (alpha = 0.5) of the values attention actually
    uses (hooked on attn.value_probe; with LIMe these are the MIXED values), per layer, on the fixed
    validation batches: value_entropy.png. How exactly: see value_entropy() and renyi_entropy().
+3. Token separability (every run). How well a linear classifier tells "is", "are", "was", "were" (--words)
+   apart from one layer's representation of the word, per layer, for the values attention uses and for
+   the hidden states (residual stream after each block): 5-fold CV accuracy, mean +- std, on the same
+   number of occurrences of each word from the validation split: separability.png. See separability().
 
 train.py runs this script at the end of --compare, and for `python train.py --analyze OUT`.
 """
@@ -20,7 +25,9 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
+from contextlib import contextmanager
 
 import matplotlib
 matplotlib.use("Agg")  # files only, no display needed
@@ -28,8 +35,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from prepare_data import load_rows, load_tokens
-from common import fixed_val_batches, load_checkpoint, setup_device
+from prepare_data import CharTokenizer, atomic_file, get_tokenizer, load_meta, load_rows, load_tokens
+from common import check_dataset, fixed_val_batches, load_checkpoint, setup_device
 
 MAX_BATCHES, MAX_SEQUENCES = 8, 64  # plenty for a stable mean (it varies little across sequences), and
                                     # seconds on a CPU: each sequence costs one eigendecomposition per layer
@@ -69,18 +76,25 @@ def router_shares(model_or_routers):
 # -----------------------------------------------------------------------------
 # value entropy
 
-def _eigvalsh(G):
-    """torch.linalg.eigvalsh, on one CPU thread: as fast for these small matrices, and MKL's multithreaded
-    version slows down 100x+ when the cores are busy (16 x 128^2 took 11-22 s with 2 threads while a
-    training run shared the 2 cores, 0.03 s with one)."""
-    if G.device.type != "cpu":
-        return torch.linalg.eigvalsh(G)
+@contextmanager
+def one_thread():
+    """Run torch's CPU ops on one thread inside: as fast for the small matrices of these analyses, and MKL's
+    multithreaded kernels slow down 100x+ when the cores are busy (eigvalsh of 16 x 128^2 took 11-22 s with
+    2 threads while a training run shared the 2 cores, 0.03 s with one)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return torch.linalg.eigvalsh(G)
+        yield
     finally:
         torch.set_num_threads(n)
+
+
+def _eigvalsh(G):
+    """torch.linalg.eigvalsh, on one CPU thread (see one_thread)."""
+    if G.device.type != "cpu":
+        return torch.linalg.eigvalsh(G)
+    with one_thread():
+        return torch.linalg.eigvalsh(G)
 
 
 def renyi_entropy(Z, alpha=0.5):
@@ -113,42 +127,233 @@ def standardize(V):
     return (V - mu) / sd.clamp_min(1e-12)
 
 
+@contextmanager
+def probes(model):
+    """Inside `with probes(model) as got:`, every forward pass leaves, for each layer l,
+    got["values"][l]: the values layer l's attention uses (B, T, d = H*hd, heads concatenated in order;
+    with LIMe the MIXED values, hooked on attn.value_probe), and
+    got["hidden"][l]: the residual stream at block l's output (B, T, C), i.e. after its attention and MLP
+    have been added (the next block's input; for the last block, before the final norm)."""
+    L = model.config.n_layer
+    got = dict(values=[None] * L, hidden=[None] * L)
+    def keep_values(l, v):
+        B, H, T, hd = v.shape
+        got["values"][l] = v.transpose(1, 2).reshape(B, T, H * hd)  # (B, T, d)
+    hooks = [h for l, block in enumerate(model.transformer.h) for h in (
+        block.attn.value_probe.register_forward_hook(lambda m, i, out, l=l: keep_values(l, out)),
+        block.register_forward_hook(lambda m, i, out, l=l: got["hidden"].__setitem__(l, out)))]
+    try:
+        yield got
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 @torch.no_grad()
 def value_entropy(model, batches, alpha=0.5):
     """Per layer: mean over all sequences of renyi_entropy(standardize(values of the batch)[b]), where the
     values are what attention uses, (T, d) per sequence with d = H*hd (heads concatenated in order)."""
     model.eval()
-    L = model.config.n_layer
-    captured = [None] * L
-    hooks = [block.attn.value_probe.register_forward_hook(lambda m, i, out, l=l: captured.__setitem__(l, out))
-             for l, block in enumerate(model.transformer.h)]
-    sums, count = np.zeros(L), 0
-    try:
+    sums, count = np.zeros(model.config.n_layer), 0
+    with probes(model) as got:
         for x in batches:
             model(x.to(next(model.parameters()).device))
-            for l, v in enumerate(captured):
-                B, H, T, hd = v.shape
-                V = v.transpose(1, 2).reshape(B, T, H * hd)            # (B, T, d)
+            for l, V in enumerate(got["values"]):
                 sums[l] += renyi_entropy(standardize(V), alpha).sum().item()
             count += x.shape[0]
-    finally:
-        for h in hooks:
-            h.remove()
     return (sums / count).tolist()
 
 
-def val_inputs(ckpt, max_sequences=MAX_SEQUENCES):
+def val_inputs(ckpt, max_sequences=MAX_SEQUENCES, path="ckpt.pt"):
     """Inputs x of the first fixed validation batches of the checkpoint's dataset (train.py evaluates on
-    the same ones): as many as eval uses, but at most MAX_BATCHES and just enough for max_sequences."""
+    the same ones): as many as eval uses, but at most MAX_BATCHES and just enough for max_sequences.
+    ValueError if that dataset was re-prepared from other data since (path: the checkpoint, for the message)."""
     cfg = ckpt["config"]
-    path = os.path.join(cfg["data_dir"], cfg["dataset"])
+    data_dir = os.path.join(cfg["data_dir"], cfg["dataset"])
+    meta = load_meta(data_dir)
+    check_dataset(ckpt, meta, data_dir, path)
     n = min(cfg.get("eval_iters", MAX_BATCHES), MAX_BATCHES, math.ceil(max_sequences / cfg["batch_size"]))
-    if ckpt.get("meta", {}).get("layout") == "rows":  # a task: the first val problems, whole rows, as train.py
-        rows = load_rows(path, "val", ckpt["meta"])       # evaluates them (its inputs: all but a row's last token)
+    if meta.get("layout") == "rows":  # a task: the first val problems, whole rows, as train.py evaluates
+        rows = load_rows(data_dir, "val", meta)  # them (the inputs: all but a row's last token)
         B = cfg["batch_size"]
         return [torch.from_numpy(rows[i:i + B, :-1].astype(np.int64)) for i in range(0, min(len(rows), n * B), B)]
-    data = load_tokens(path, "val")
+    data = load_tokens(data_dir, "val", meta)
     return [x for x, _ in fixed_val_batches(data, cfg["block_size"], cfg["batch_size"], n, seed=0)]
+
+# -----------------------------------------------------------------------------
+# token separability (the paper's section 5.2, after Voita et al. 2019): can a linear classifier tell
+# "is", "are", "was" and "were" apart from one layer's representation of the word?
+
+WORDS = ("is", "are", "was", "were")  # the paper's four confusable words
+MIN_PER_WORD = 25    # below this many occurrences of a word, no estimate: with 25 per word every test fold
+                     # still holds 5 of each, and the CV mean rests on 25 predictions per word, 100 for four
+                     # words, whose binomial standard error is at most 0.5 / sqrt(100) = 0.05
+MAX_PER_WORD = 1668  # the paper's count per word; more would only cost time
+FOLDS = 5
+L2 = 1e-3            # penalty l2/2 * ||W||^2 on top of the MEAN cross-entropy; see logistic_regression()
+
+
+class CantProbe(ValueError):
+    """The data can't support the analysis for these words: too few occurrences, a word that isn't one BPE
+    token, or a tokenizer that can't be loaded. Within a plain `analyze.py OUT` (what --compare runs) the
+    analysis is skipped with a note; with --words given explicitly it is an error."""
+
+
+def word_positions(tokens, tok, word):
+    """Token positions of the whole-word, case-sensitive occurrences of word in tokens (1-D ints, decoded
+    by tok, a prepare_data tokenizer), as an int64 array.
+    Char-level: the position of the word's LAST character, so the word must be recognised from its
+    characters and left context; whole word = no letter, digit or _ right before or after it.
+    BPE: the position of the token " word" (with its leading space: GPT-2 writes a word inside a sentence
+    that way; "word" at the start of a line is another token, not counted), where the next token doesn't
+    go on with letters (" is" + "land" is not "is")."""
+    tokens = np.asarray(tokens)
+    if isinstance(tok, CharTokenizer):
+        text = tok.decode(tokens)  # one character per token, so text offsets are token positions
+        return np.array([m.end() - 1 for m in re.finditer(rf"(?<!\w){re.escape(word)}(?!\w)", text)], dtype=np.int64)
+    ids = tok.encode(" " + word)
+    if len(ids) != 1:
+        raise CantProbe(f"' {word}' is {len(ids)} BPE tokens, not one; pick words that are single tokens")
+    hits = np.flatnonzero(tokens == ids[0])
+    nxt = tokens[np.minimum(hits + 1, len(tokens) - 1)]
+    goes_on = {t: bool(re.match(r"\w", tok.decode([t]))) for t in np.unique(nxt).tolist()}
+    return np.array([p for p, t in zip(hits, nxt.tolist()) if p == len(tokens) - 1 or not goes_on[t]], dtype=np.int64)
+
+
+def find_occurrences(tokens, tok, words, block_size):
+    """{word: positions} of each word's occurrences that have a full window of block_size tokens ending at
+    them (position >= block_size - 1), so every occurrence is seen with the same amount of left context."""
+    found = {w: word_positions(tokens, tok, w) for w in words}
+    return {w: p[p >= block_size - 1] for w, p in found.items()}
+
+
+def balanced_sample(found, seed, max_per_word=MAX_PER_WORD):
+    """found: {word: positions} -> (positions (N,), labels (N,), n): n = min(the rarest word's count,
+    max_per_word) occurrences of every word, drawn without replacement with np.random.default_rng(seed),
+    sorted within each word; labels index words in found's order. CantProbe below MIN_PER_WORD."""
+    counts = {w: len(p) for w, p in found.items()}
+    if min(counts.values()) < MIN_PER_WORD:
+        raise CantProbe("too few occurrences for a stable estimate (" + ", ".join(f"{w!r}: {c}" for w, c in counts.items())
+                      + f"; at least {MIN_PER_WORD} of each needed)")
+    n = min(min(counts.values()), max_per_word)
+    rng = np.random.default_rng(seed)
+    pos = [np.sort(rng.choice(p, n, replace=False)) for p in found.values()]
+    return np.concatenate(pos), np.repeat(np.arange(len(found)), n), n
+
+
+def stratified_folds(labels, k=FOLDS, seed=0):
+    """Fold id 0..k-1 of every sample: each class's samples are shuffled (np.random.default_rng(seed)) and
+    dealt round-robin to the folds, so every fold holds floor(n_c / k) or ceil(n_c / k) of class c."""
+    labels = np.asarray(labels)
+    rng = np.random.default_rng(seed)
+    fold = np.empty(len(labels), dtype=np.int64)
+    for c in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        fold[idx] = np.arange(len(idx)) % k
+    return fold
+
+
+def logistic_regression(X, y, train, n_classes, l2=L2, tol=1e-6):
+    """G independent multinomial logistic regressions at once: X (G, N, d) float64, y (N,) class ids, train
+    (G, N) bool: the samples problem g learns from -> (W (G, d, C), b (G, C)). Problem g minimises the mean
+    cross-entropy over its training samples + l2/2 * ||W_g||^2 (b unpenalised). One full-batch L-BFGS on the
+    sum of the G objectives (same minimiser: they share no parameters; one set of kernels per step instead
+    of G) until every gradient entry is below tol; each problem is strictly convex, so that is its minimum.
+    Why a penalty at all: with d >= n, as here (128 features, ~100 training samples), the classes are almost
+    always perfectly separable on the training part, and without one the weights grow forever and
+    "converged" means nothing. 1e-3 on standardized features is small next to the loss (a weight vector of
+    norm 10 costs 0.05 nats)."""
+    G, N, d = X.shape
+    w = train.double() / train.sum(1, keepdim=True)                   # (G, N): 1/n_g on problem g's samples
+    W = torch.zeros(G, d, n_classes, dtype=X.dtype, requires_grad=True)
+    b = torch.zeros(G, 1, n_classes, dtype=X.dtype, requires_grad=True)
+    opt = torch.optim.LBFGS([W, b], max_iter=5000, tolerance_grad=tol, tolerance_change=0, history_size=20,
+                            line_search_fn="strong_wolfe")
+    def objective():
+        opt.zero_grad()
+        logp = torch.log_softmax(X @ W + b, -1)                       # (G, N, C)
+        nll = -logp.gather(-1, y.expand(G, N)[..., None])[..., 0]     # (G, N)
+        loss = (w * nll).sum() + 0.5 * l2 * (W ** 2).sum()
+        loss.backward()
+        return loss
+    opt.step(objective)
+    objective()
+    grad = max(W.grad.abs().max(), b.grad.abs().max())
+    if grad > 10 * tol:
+        print(f"note: logistic regression stopped before converging (max gradient {grad:.1e})", file=sys.stderr)
+    return W.detach(), b.detach()[:, 0]
+
+
+def cv_accuracy(X, y, folds, l2=L2):
+    """X (N, d), y (N,) class ids, folds (N,) fold ids -> test accuracy of every fold (list): fit on the
+    other folds, features standardized with the mean and std of those training samples only."""
+    X, y, folds = torch.as_tensor(X, dtype=torch.float64), torch.as_tensor(y), torch.as_tensor(folds)
+    k = int(folds.max()) + 1
+    train = folds != torch.arange(k)[:, None]                         # (k, N): fold f trains on the others
+    with one_thread():
+        Z = []
+        for t in train:
+            mu, sd = X[t].mean(0), X[t].std(0, correction=0).clamp_min(1e-12)  # (d,), (d,)
+            Z.append((X - mu) / sd)
+        Z = torch.stack(Z)                                            # (k, N, d)
+        W, b = logistic_regression(Z, y, train, int(y.max()) + 1, l2)
+        right = ((Z @ W + b[:, None]).argmax(-1) == y) & ~train      # (k, N): right on the held-out fold
+    return (right.sum(1).double() / (~train).sum(1)).tolist()
+
+
+@torch.no_grad()
+def word_features(model, tokens, positions, batch_size=64):
+    """For every position p: run the window tokens[p - T + 1 : p + 1] (T = block_size) and keep, per layer,
+    the values and the hidden state (see probes()) at its last position -> {"values": [(N, d)] * L,
+    "hidden": [(N, C)] * L}, float64 CPU tensors."""
+    model.eval()
+    T, device = model.config.block_size, next(model.parameters()).device
+    windows = np.asarray(positions)[:, None] + np.arange(1 - T, 1)              # (N, T) token positions
+    feats = dict(values=[[] for _ in model.transformer.h], hidden=[[] for _ in model.transformer.h])
+    with probes(model) as got, one_thread():  # 3x faster on the quick-start model when the cores are busy
+        for i in range(0, len(windows), batch_size):
+            x = torch.from_numpy(np.asarray(tokens)[windows[i:i + batch_size]].astype(np.int64))  # (B, T)
+            model(x.to(device))
+            for kind in feats:
+                for l, h in enumerate(got[kind]):
+                    feats[kind][l].append(h[:, -1].cpu().double())              # (B, d)
+    return {kind: [torch.cat(f) for f in per_layer] for kind, per_layer in feats.items()}
+
+
+def separability(model, tokens, tok, words, seed=0, l2=L2):
+    """Per-layer 5-fold CV accuracy (mean, std over folds) of telling words apart from the values and from
+    the hidden states at their occurrences in tokens (see word_positions, find_occurrences, balanced_sample,
+    stratified_folds, cv_accuracy). CantProbe when the data can't support it."""
+    found = find_occurrences(tokens, tok, words, model.config.block_size)
+    positions, labels, n = balanced_sample(found, seed)
+    folds = stratified_folds(labels, FOLDS, seed)
+    result = dict(found={w: len(p) for w, p in found.items()}, per_word=n)
+    for kind, per_layer in word_features(model, tokens, positions).items():
+        accs = [cv_accuracy(X, labels, folds, l2) for X in per_layer]
+        result[kind] = dict(mean=[float(np.mean(a)) for a in accs], std=[float(np.std(a)) for a in accs])
+    return result
+
+
+def val_text(ckpt, path="ckpt.pt"):
+    """(val tokens, tokenizer) of the checkpoint's dataset: where the word occurrences come from.
+    ValueError if that dataset was re-prepared from other data since (path: the checkpoint, for the message)."""
+    cfg = ckpt["config"]
+    data_dir = os.path.join(cfg["data_dir"], cfg["dataset"])
+    meta = load_meta(data_dir)
+    check_dataset(ckpt, meta, data_dir, path)
+    try:
+        tok = get_tokenizer(meta)
+    except ValueError as e:  # e.g. GPT-2's BPE files can't be downloaded
+        raise CantProbe(str(e)) from None
+    return load_tokens(data_dir, "val", meta), tok
+
+
+def parse_words(words):
+    """'is,are,was,were' -> ['is', 'are', 'was', 'were']; ValueError unless >= 2 distinct words without spaces."""
+    ws = words.split(",") if isinstance(words, str) else list(words)
+    if len(ws) < 2 or len(set(ws)) < len(ws) or not all(w and not re.search(r"\s", w) for w in ws):
+        raise ValueError(f"--words={','.join(ws)}: give at least two distinct words, comma-separated, no spaces")
+    return ws
 
 # -----------------------------------------------------------------------------
 # figures
@@ -166,7 +371,8 @@ def plot_shares(M, path, title, xlabel, ylabel, clabel, mask=None):
     ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label=clabel)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
 
 
@@ -181,6 +387,28 @@ def plot_entropy(curves, path, title):
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
+    plt.close(fig)
+
+def plot_separability(curves, path, title, chance):
+    """curves: {label: separability() result}; two panels, values and hidden states, mean +- std per layer."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, kind, name in zip(axes, ("values", "hidden"), ("values attention uses (LIMe: mixed)",
+                                                            "hidden states (residual stream after block l)")):
+        for label, r in curves.items():
+            m, sd = np.array(r[kind]["mean"]), np.array(r[kind]["std"])
+            ax.errorbar(range(len(m)), m, yerr=sd, marker="o", capsize=3, label=label)
+        ax.axhline(chance, color="gray", ls=":", lw=1, label=f"chance {chance:.2f}")
+        ax.set_xlabel("layer")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_title(name, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"{FOLDS}-fold CV accuracy (mean ± std)")
+    axes[0].set_ylim(0, 1.02)
+    axes[1].legend(fontsize=8, loc="lower right")
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -225,20 +453,31 @@ def router_figures(model, ckpt, run_dir, out_dir, layer=None):
     return dict(run=run_dir, shares=S.tolist(), heads_layer=l, head_shares=HS.tolist())
 
 
-def analyze_compare(out_dir, device="cpu", extra=(), layer=None, max_sequences=MAX_SEQUENCES):
-    """Router maps of the LIMe run and value entropy of every run (OUT/baseline, OUT/lime, extra dirs):
-    writes OUT/{router_map,router_heads,value_entropy}.png and OUT/analysis.json, returns the numbers."""
+def analyze_compare(out_dir, device="cpu", extra=(), layer=None, max_sequences=MAX_SEQUENCES, words=None, seed=0):
+    """Router maps of the LIMe run, value entropy and token separability of every run (OUT/baseline, OUT/lime,
+    extra dirs): writes OUT/{router_map,router_heads,value_entropy,separability}.png and OUT/analysis.json,
+    returns the numbers. words=None: the paper's WORDS, and if the data can't support them the separability
+    is skipped with a note; words given: that is an error (CantProbe)."""
     runs = find_runs(out_dir, extra)
+    explicit, words = words is not None, parse_words(WORDS if words is None else words)
     result = dict(runs={}, value_entropy=dict(alpha=0.5, how=(
         "per layer: the values attention uses, (B, T, d=H*hd) per batch, z-scored per feature over the batch's "
         "sequences and positions; per sequence G = Z Z^T, eigenvalues / trace, H = log(sum lambda^0.5) / 0.5 "
-        "(nats); mean over sequences"), per_layer={}, mean={}))
-    curves, ceilings = {}, set()
+        "(nats); mean over sequences"), per_layer={}, mean={}), separability=dict(
+        words=words, folds=FOLDS, seed=seed, l2=L2, min_per_word=MIN_PER_WORD, max_per_word=MAX_PER_WORD, how=(
+        "occurrences of each word in the validation split (whole words, case-sensitive; char-level: the word's "
+        "last character, BPE: its ' word' token), each with the block_size-token window that ends at it; "
+        "the same number per word (per_word, drawn with the seed); per layer, the features at the word: "
+        "'values' = the values that layer's attention uses (LIMe: mixed), 'hidden' = the residual stream "
+        "at the block's output; multinomial logistic regression (L-BFGS to convergence, mean cross-entropy + "
+        "l2/2 ||W||^2, features standardized on the training folds), stratified seeded k-fold CV, "
+        "mean and std (ddof=0) of the fold accuracies"), per_run={}, skipped={}))
+    curves, ceilings, sep_curves = {}, set(), {}
     for name, d in runs.items():
         model, ckpt = load_checkpoint(d, device)
         if model.config.lime and "router" not in result:
             result["router"] = router_figures(model, ckpt, d, out_dir, layer)
-        batches = val_inputs(ckpt, max_sequences)
+        batches = val_inputs(ckpt, max_sequences, os.path.join(d, "ckpt.pt"))
         ent = value_entropy(model, batches)
         loss = ckpt.get("best_val_loss")
         label = f"{'LIMe' if name == 'lime' else name}, iter {ckpt.get('iter_num', '?')}"
@@ -248,6 +487,16 @@ def analyze_compare(out_dir, device="cpu", extra=(), layer=None, max_sequences=M
                                      best_val_loss=loss, sequences=sum(x.shape[0] for x in batches))
         result["value_entropy"]["per_layer"][name] = ent
         result["value_entropy"]["mean"][name] = float(np.mean(ent))
+        try:
+            sep = separability(model, *val_text(ckpt, os.path.join(d, "ckpt.pt")), words, seed)
+        except CantProbe as e:
+            if explicit:
+                raise CantProbe(f"token separability of {d}: {e}") from None
+            result["separability"]["skipped"][name] = str(e)
+            print(f"note: no token separability for {d}: {e}", file=sys.stderr)
+            continue
+        result["separability"]["per_run"][name] = sep
+        sep_curves[f"{label} ({sep['per_word']} per word)"] = sep
     if "router" not in result:
         print("note: no LIMe run, so no router maps", file=sys.stderr)
     if len({r["iter_num"] for r in result["runs"].values()}) > 1:  # e.g. one of them is still training
@@ -260,22 +509,35 @@ def analyze_compare(out_dir, device="cpu", extra=(), layer=None, max_sequences=M
                  f"{'/'.join(f'{c:.2f}' for c in sorted(ceilings))}")
     means = ", ".join(f"{k} {v:.2f}" for k, v in result["value_entropy"]["mean"].items())
     print(f"wrote {out_dir}/value_entropy.png: mean over layers {means} nats")
-    with open(os.path.join(out_dir, "analysis.json"), "w") as f:
+    if sep_curves:
+        plot_separability(sep_curves, os.path.join(out_dir, "separability.png"),
+                          f"Telling {', '.join(map(repr, words))} apart from one layer's representation of the word\n"
+                          f"{out_dir}, validation split, linear probe, {FOLDS}-fold CV, seed {seed}", 1 / len(words))
+        last = {kind: ", ".join(f"{k} {r[kind]['mean'][-1]:.2f}" for k, r in result["separability"]["per_run"].items())
+                for kind in ("values", "hidden")}
+        print(f"wrote {out_dir}/separability.png: last layer accuracy, values: {last['values']}; "
+              f"hidden states: {last['hidden']}")
+    with atomic_file(os.path.join(out_dir, "analysis.json")) as f:
         json.dump(result, f, indent=1)
     return result
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="router maps and value entropy of a comparison run")
+    p = argparse.ArgumentParser(description="router maps, value entropy and token separability of a comparison run")
     p.add_argument("out_dir", help="the --compare output folder, holding baseline/ and lime/")
     p.add_argument("extra", nargs="*", help="more run dirs (each with ckpt.pt) for the value-entropy figure")
     p.add_argument("--layer", type=int, default=None, help="layer for the per-head router figure (default: last)")
     p.add_argument("--max_sequences", type=int, default=MAX_SEQUENCES,
                    help=f"validation sequences to use (whole batches, at most {MAX_BATCHES})")
+    p.add_argument("--words", default=None, help=f"comma-separated words for the separability probe (default: "
+                   f"{','.join(WORDS)}; given explicitly, too few occurrences is an error instead of a note)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the separability probe's sampling and folds")
     p.add_argument("--device", default="cpu", help="cpu, auto (cuda > mps > cpu), cuda, cuda:1, mps")
     args = p.parse_args(argv)
+    if args.max_sequences < 1:
+        raise ValueError(f"--max_sequences must be at least 1, got {args.max_sequences}")
     device = setup_device(args.device, "float32")[0]  # ValueError if the device isn't there
-    analyze_compare(args.out_dir, device, args.extra, args.layer, args.max_sequences)
+    analyze_compare(args.out_dir, device, args.extra, args.layer, args.max_sequences, args.words, args.seed)
 
 
 if __name__ == "__main__":

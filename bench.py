@@ -4,6 +4,7 @@ What does LIMe cost? Times a full training step and counts activation memory, ba
     python bench.py                                   # 8 and 32 layers at width 256, plus deep-narrow
     python bench.py --depths=4,16 --repeats=3 --rounds=1 --deep=False
     python bench.py --device=cuda                     # bf16 autocast on CUDA
+    python bench.py --fused_mix=False                 # LIMe through the plain formula (PlainMix) instead
 
 Each configuration runs in a fresh process (so peak memory is its own), and baseline and LIMe alternate
 for --rounds rounds, so that a machine whose speed drifts slows both alike. Per configuration we measure:
@@ -49,11 +50,11 @@ def saved_activation_bytes(fn, exclude=()):
 
 
 def measure(n_layer, n_embd, n_head, block_size, batch_size, vocab_size, lime, device="cpu",
-            warmup=2, repeats=5, seed=0):
+            warmup=2, repeats=5, seed=0, fused_mix=True):
     """Build one model and measure it. Returns a dict of plain numbers."""
     torch.manual_seed(seed)
     cfg = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                    n_embd=n_embd, lime=lime)
+                    n_embd=n_embd, lime=lime, fused_mix=fused_mix)
     model = GPT(cfg).to(device)
     opt = model.configure_optimizers(0.1, 1e-3, device_type=device)
     x = torch.randint(0, vocab_size, (batch_size, block_size), device=device)
@@ -108,6 +109,7 @@ def main(argv=None):
     p.add_argument("--deep", default="True", help="also the deep-narrow config: 24 layers, width 64, "
                    "4 heads, block 128, batch 32")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--fused_mix", default="True", help="False: time LIMe's plain formula (PlainMix), not the fast path")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5, help="timed steps per process (median taken)")
     p.add_argument("--rounds", type=int, default=3, help="fresh baseline + LIMe processes per config")
@@ -116,6 +118,7 @@ def main(argv=None):
     if a._worker:
         print(json.dumps(measure(**json.loads(a._worker))))
         return
+    fused = a.fused_mix.lower() in ("true", "1", "yes")
     common = dict(device=a.device, warmup=a.warmup, repeats=a.repeats)
     rows = [(f"{d} layers, width {a.n_embd}",
              dict(n_layer=int(d), n_embd=a.n_embd, n_head=a.n_head, block_size=a.block_size,
@@ -127,13 +130,14 @@ def main(argv=None):
     if min(a.repeats, a.rounds) < 1 or a.warmup < 0:
         p.error("--repeats and --rounds must be >= 1, --warmup >= 0")
     print(f"device={a.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"median of {a.repeats} steps after {a.warmup} warm-up, {a.rounds} rounds")
+          f"median of {a.repeats} steps after {a.warmup} warm-up, {a.rounds} rounds, "
+          f"LIMe mix: {'fused (KVStack)' if fused else 'plain formula (PlainMix)'}")
     head = (f"{'config':<28} {'base ms':>8} {'lime ms':>8} {'time x (range)':>20} {'FLOP x':>7} {'act x':>6} "
             f"{'peak x':>7} {'act MiB b/l':>13} {'GFLOP/s b/l':>12}")
     print(head)
     print("-" * len(head))
     for name, cfg in rows:
-        runs = [(run_fresh(dict(cfg, lime=False, **common)), run_fresh(dict(cfg, lime=True, **common)))
+        runs = [(run_fresh(dict(cfg, lime=False, **common)), run_fresh(dict(cfg, lime=True, fused_mix=fused, **common)))
                 for _ in range(a.rounds)]
         b, l = ({k: statistics.median(r[i][k] for r in runs) for k in runs[0][i]} for i in (0, 1))
         ratios = [rl["step_ms"] / rb["step_ms"] for rb, rl in runs]

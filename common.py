@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from lime import GPT, GPTConfig
+from prepare_data import atomic_file
 
 
 def sample_batch(data, block_size, batch_size, rng):
@@ -37,7 +38,12 @@ def setup_device(device, dtype):
     """-> (device, device_type, dtype name, autocast context, peak FLOP/s or None)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    device_type = device.split(":")[0]
+    try:
+        device_type = torch.device(device).type
+    except (RuntimeError, ValueError):
+        device_type = None
+    if device_type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"unknown --device={device}; use auto, cpu, cuda, cuda:N or mps")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device={device} but torch sees no CUDA GPU; use --device=cpu")
     if device_type == "mps" and not torch.backends.mps.is_available():
@@ -60,10 +66,39 @@ def save_checkpoint(ckpt, out_dir):
     """Write ckpt (a dict of plain types and tensors) to out_dir/ckpt.pt atomically: temp file + rename,
     so a crash mid-write never replaces a good checkpoint with a broken one."""
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "ckpt.pt")
-    tmp = path + ".tmp"
-    torch.save(ckpt, tmp)
-    os.replace(tmp, path)
+    with atomic_file(os.path.join(out_dir, "ckpt.pt"), "wb") as f:
+        torch.save(ckpt, f)
+
+
+def read_checkpoint(path, device="cpu", keys=("model_args", "model")):
+    """The dict saved at path, loaded with weights_only=True (no pickle code runs). ValueError naming the
+    file when it is not a checkpoint train.py wrote (empty, truncated, a folder, another program's) or
+    lacks one of keys; FileNotFoundError when there is none."""
+    bad = f"{path} is not a usable checkpoint"
+    fix = "restore it, or train a new run into a fresh --out_dir"
+    if os.path.isdir(path):
+        raise ValueError(f"{bad}: it is a folder; {fix}")
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except (FileNotFoundError, PermissionError):  # the system's message says it best
+        raise
+    except Exception as e:  # a truncated zip, an empty file, a foreign pickle: all the same to a user
+        raise ValueError(f"{bad}: torch.load can't read it ({type(e).__name__}; is it empty, truncated, or not "
+                         f"written by train.py?); {fix}") from None
+    missing = [k for k in keys if k not in ckpt] if isinstance(ckpt, dict) else list(keys)
+    if missing:
+        raise ValueError(f"{bad}: it has no {', '.join(map(repr, missing))} (not written by train.py?); {fix}")
+    return ckpt
+
+
+def load_weights(model, ckpt, path):
+    """model.load_state_dict(ckpt["model"]), with a ValueError naming path when they don't fit."""
+    try:
+        model.load_state_dict(ckpt["model"])
+    except (RuntimeError, TypeError, AttributeError) as e:
+        why = " ".join(str(e).split())[:100]
+        raise ValueError(f"{path}: its weights don't fit its model_args ({why}); it is damaged or not "
+                         f"written by train.py") from None
 
 
 def load_checkpoint(out_dir, device="cpu"):
@@ -74,7 +109,26 @@ def load_checkpoint(out_dir, device="cpu"):
         hint = (f"it looks like a --compare folder: use {os.path.join(out_dir, inside[0])}" if inside else
                 f"train one with: python train.py --out_dir={out_dir}")
         raise FileNotFoundError(f"no checkpoint at {path}; {hint}")
-    ckpt = torch.load(path, map_location=device, weights_only=True)
-    model = GPT(GPTConfig(**ckpt["model_args"]))
-    model.load_state_dict(ckpt["model"])
+    ckpt = read_checkpoint(path, device)
+    try:
+        model = GPT(GPTConfig(**ckpt["model_args"]))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: its model_args don't make a model ({e}); it is damaged or not written by "
+                         f"train.py") from None
+    load_weights(model, ckpt, path)
     return model.to(device).eval(), ckpt
+
+
+def check_dataset(ckpt, meta, data_dir, path):
+    """ValueError if the dataset at data_dir (its meta.json: meta) is no longer the one the checkpoint at
+    path was trained on, i.e. it was re-prepared from another corpus or tokenizer since. Compares every
+    field of the meta.json copy saved in the checkpoint but "source" (the same text may come from elsewhere)."""
+    old = ckpt.get("meta")
+    if not isinstance(old, dict):  # (a checkpoint without a copy: nothing to compare with)
+        return
+    diff = next((k for k in old if k != "source" and old[k] != meta.get(k)), None)
+    if diff is not None:
+        short = lambda v: repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
+        raise ValueError(f"{data_dir} is no longer the dataset {path} was trained on ({diff}: {short(old[diff])} "
+                         f"then, {short(meta.get(diff))} now; trained on {old.get('source')!r}, now holds "
+                         f"{meta.get('source')!r}); prepare that data again, or train a new run on this one")

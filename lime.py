@@ -9,7 +9,8 @@ A LLaMA-style GPT with one switch, `lime`.
 
               where k_stack holds the raw heads of layers 0..l, layer-major, and W_l is (H, (l+1)*H).
 
-Everything LIMe-specific lives in the section "LIMe: the layer-integrated key/value mix" below.
+Everything LIMe-specific lives in the section "LIMe: the layer-integrated key/value mix" below: read
+lime_mix() and PlainMix first (the formula as written), then KVStack/_LimeMix (the same numbers, fast).
 The rest is the usual LLaMA recipe: RMSNorm, RoPE (rotate-half), SwiGLU, no biases, tied embeddings.
 """
 
@@ -31,6 +32,8 @@ class GPTConfig:
     multiple_of: int = 64     # SwiGLU hidden width = 8/3 * n_embd rounded up to a multiple of this
     dropout: float = 0.0      # dropout on attention weights and residual branches (0 = off)
     lime: bool = False        # the switch: True mixes K/V heads of all earlier layers (LIMe)
+    fused_mix: bool = True    # LIMe only. False: the plain formula, layer by layer (PlainMix, to read);
+                              # True: the same numbers through one shared buffer (KVStack, fast, O(L) memory)
     rope_theta: float = 10000.0  # RoPE base frequency
 
     @property
@@ -76,15 +79,15 @@ def apply_rope(x, cos, sin):
 #
 # i.e. for every position, every output head r is a weighted sum of source heads j, with the SAME weights
 # for keys and values, no softmax and no mixing across time (so causality is untouched). Layer 0 has
-# no router: it uses its own kv_0. lime_mix_reference() below is that formula in a few lines.
+# no router: it uses its own kv_0. lime_mix() below is that formula, and PlainMix runs it layer by layer
+# (GPTConfig.fused_mix=False): the way to read the method, and what the fast path is tested against.
 #
 # Stacked, the routers form one block-lower-triangular matrix M, (L*H, L*H), row block l = [W_l, 0] for
 # l >= 1: the mixes are M @ raw, but raw_l exists only once layer l has run. The fast path (KVStack + _LimeMix)
-# computes exactly that, without the traps of the naive version (concatenate layers 0..l at each layer):
-#   memory: autograd would keep every concatenation, O(L^2). Here the raw K/V of all layers live ONCE in
-#           a buffer (B, 2, L, H, T, hd) that the last layer saves for backward (saved_tensors_hooks count
-#           it). Seen as (2B, L*H, T*hd), layers 0..l are its first (l+1)*H rows: a mix is a batched
-#           matmul on a view, no copies.
+# computes exactly that, without the traps of the plain version (concatenate layers 0..l at each layer):
+#   memory: autograd would keep every concatenation, O(L^2). Here the raw K/V of all layers live ONCE in a
+#           buffer (B, 2, L, H, T, hd) that the last layer saves for backward. Seen as (2B, L*H, T*hd), layers
+#           0..l are its first (l+1)*H rows: a mix is a batched matmul on a view, no copies.
 #   time:   the mix is memory-bound, and layer by layer, layer l would reread all l+1 raw K/V. So layers
 #           go in groups of `block`: when a group starts, the layers before it are final, and ONE matmul
 #           reads them for the whole group (`partial`); each layer then adds its group's layers. Backward
@@ -93,28 +96,44 @@ def apply_rope(x, cos, sin):
 #           backward runs last and computes them all in a few big matmuls.
 # ----------------------------------------------------------------------------------------------------
 
-def lime_mix_reference(kvs, routers):
-    """The formula, for tests. kvs: raw K or V of layers 0..l, each (B, T, H, hd); routers[l]: (H, (l+1)*H)
-    (routers[0] is unused). Returns the mixed K or V of every layer, each (B, T, H, hd)."""
-    out = [kvs[0]]
-    for l in range(1, len(kvs)):
-        stack = torch.cat(kvs[:l + 1], dim=2)                           # (B, T, (l+1)*H, hd)
-        out.append(torch.einsum("rj,btjd->btrd", routers[l], stack))    # (B, T, H, hd)
-    return out
+def lime_mix(kvs, W):
+    """The formula for one layer l >= 1. kvs: the raw keys (or values) of layers 0..l, each (..., H, hd);
+    W: W_l, (H, (l+1)*H). Returns the mixed keys (or values), (..., H, hd)."""
+    stack = torch.cat(kvs, dim=-2)                          # (..., (l+1)*H, hd), layer-major source heads
+    return torch.einsum("rj,...jd->...rd", W, stack)        # (..., H, hd): head r = sum_j W[r, j] * head j
+
+
+class PlainMix:
+    """LIMe as written: keep every layer's raw K/V; layer l concatenates layers 0..l and mixes them with W_l.
+    Autograd keeps each concatenation, O(L^2) activation memory, and does L^2/2 small products (KVStack doesn't)."""
+
+    def __init__(self, routers):
+        self.routers = routers  # W_1 .. W_{L-1}: layer 0 has no router
+        self.raw = []           # raw K/V of the layers run so far, each (B, T, 2, H, hd)
+
+    def __call__(self, l, kv):
+        """kv: layer l's raw keys/values (B, T, 2, H, hd) -> the k, v its attention uses, each (B, H, T, hd)."""
+        self.raw.append(kv)
+        mixed = kv if l == 0 else lime_mix(self.raw, self.routers[l - 1])  # (B, T, 2, H, hd)
+        return mixed.permute(2, 0, 3, 1, 4).unbind(0)                      # k, v: (B, H, T, hd)
 
 
 class KVStack:
-    """Scratch space that the layers' mixes share during one forward and backward pass (no parameters)."""
-    spare = None  # the last backward's `grad`, reused: touching a fresh 100 MB+ CPU buffer page-faults
+    """The fast path's scratch space, shared by the layers' mixes during one forward and backward pass."""
 
-    def __init__(self, routers, block=6):
+    def __init__(self, routers, scratch, block=6):
         self.routers = routers  # W_1 .. W_{L-1} (layer 0 has none), inputs of layer 0's mix
         self.n_layer = len(routers) + 1
+        self.scratch = scratch  # the model's dict that keeps the last backward's `grad` buffer for reuse (CPU)
         self.block = block      # layers per group: any value gives the same result; 4-8 ran alike here
         self.M = None           # (L*H, L*H) the routers as one block-lower-triangular matrix, detached
         self.buf = None         # (B, 2, L, H, T, hd) raw keys/values of every layer, filled by forward
         self.grad = None        # (B, 2, L, H, T, hd) d loss / d mixed K/V of every layer, filled by backward
         self.partial = None     # (2B, block*H, T*hd) the current group's sums over the layers outside it
+
+    def __call__(self, l, kv):
+        """Same contract as PlainMix. Every router enters at layer 0, whose backward runs last (_LimeMix)."""
+        return _LimeMix.apply(kv, self, l, *(self.routers if l == 0 else ()))
 
 
 class _LimeMix(torch.autograd.Function):
@@ -155,7 +174,7 @@ class _LimeMix(torch.autograd.Function):
         B, H, T, hd = dk.shape
         if l == L - 1:                                                # first layer visited by backward
             stack.buf = ctx.saved_tensors[0]
-            spare, KVStack.spare = KVStack.spare, None
+            spare = stack.scratch.pop("grad", None)  # a fresh 100 MB+ CPU buffer costs page faults
             fits = spare is not None and spare.shape == stack.buf.shape and spare.dtype == stack.buf.dtype
             stack.grad = spare if fits and spare.device == stack.buf.device else torch.empty_like(stack.buf)
         stack.grad[:, 0, l], stack.grad[:, 1, l] = dk, dv
@@ -185,7 +204,8 @@ class _LimeMix(torch.autograd.Function):
             for j in range(max(a, 1), b):                             # inside the group: W_j's own part
                 dM[j * H:(j + 1) * H, a * H:(j + 1) * H] = (
                     grad[:, j * H:(j + 1) * H] @ raw[:, a * H:(j + 1) * H].mT).sum(0, dtype=acc)
-        KVStack.spare = stack.grad
+        if stack.grad.device.type == "cpu":  # (CUDA's caching allocator reuses memory by itself)
+            stack.scratch["grad"] = stack.grad
         stack.buf = stack.grad = stack.partial = None                 # done: drop the scratch space
         return dkv, None, None, *[dM[j * H:(j + 1) * H, :(j + 1) * H].to(W.dtype)
                                   for j, W in enumerate(stack.routers, start=1)]
@@ -225,16 +245,15 @@ class CausalSelfAttention(nn.Module):
         H = config.n_head
         self.router = nn.Parameter(torch.empty(H, (layer + 1) * H)) if config.lime and layer > 0 else None
 
-    def forward(self, x, cos, sin, stack=None, cache=None):
+    def forward(self, x, cos, sin, memory=None, cache=None):
         B, T, C = x.shape
         H, hd = self.n_head, C // self.n_head
         q, kv = self.c_attn(x).view(B, T, 3, H, hd).split([1, 2], dim=2)  # (B, T, 1|2, H, hd)
         q = q.squeeze(2).transpose(1, 2)                            # (B, H, T, hd)
-        if stack is None:                                           # baseline: own keys/values
+        if memory is None:                                          # baseline: own keys/values
             k, v = kv.transpose(1, 3).unbind(2)                     # (B, H, T, hd)
-        else:                                                       # LIMe: mix of layers 0..l
-            routers = stack.routers if self.layer == 0 else ()      # every router enters at layer 0
-            k, v = _LimeMix.apply(kv, stack, self.layer, *routers)  # (B, H, T, hd)
+        else:                                                       # LIMe: a mix of layers 0..l
+            k, v = memory(self.layer, kv)                           # (B, H, T, hd)
         v = self.value_probe(v)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)     # RoPE after the mix
         mask, causal = None, True
@@ -273,8 +292,8 @@ class Block(nn.Module):
         self.ln_2 = RMSNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, stack=None, cache=None):
-        x = x + self.attn(self.ln_1(x), cos, sin, stack, cache)
+    def forward(self, x, cos, sin, memory=None, cache=None):
+        x = x + self.attn(self.ln_1(x), cos, sin, memory, cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -300,6 +319,7 @@ class GPT(nn.Module):
         cos, sin = rope_tables(config.n_embd // config.n_head, config.block_size, config.rope_theta)
         self.register_buffer("rope_cos", cos.float(), persistent=False)  # (block_size, hd)
         self.register_buffer("rope_sin", sin.float(), persistent=False)  # (block_size, hd)
+        self.kv_scratch = {}  # KVStack's reusable backward buffer: this model's own, never shared
         # GPT-2 style init; residual projections scaled by 1/sqrt(2 * n_layer)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
@@ -343,9 +363,12 @@ class GPT(nn.Module):
                              f"got {tuple(targets.shape)}")
         x = self.transformer.drop(self.transformer.wte(idx))              # (B, T, C)
         cos, sin = self.rope_cos[past:past + T], self.rope_sin[past:past + T]  # (T, hd)
-        stack = KVStack([b.attn.router for b in self.transformer.h[1:]]) if self.config.lime else None
+        memory = None  # LIMe: what each layer's attention reads its keys/values from (PlainMix or KVStack)
+        if self.config.lime:
+            routers = [b.attn.router for b in self.transformer.h[1:]]
+            memory = KVStack(routers, self.kv_scratch) if self.config.fused_mix else PlainMix(routers)
         for block in self.transformer.h:
-            x = block(x, cos.to(x.dtype), sin.to(x.dtype), stack, cache)
+            x = block(x, cos.to(x.dtype), sin.to(x.dtype), memory, cache)
         logits = self.lm_head(self.transformer.ln_f(x))                   # (B, T, vocab_size)
         loss = None
         if targets is not None:

@@ -20,6 +20,7 @@ see the arithmetic task section below for the format.
 """
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -39,6 +40,34 @@ SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/da
 DATASET_FILES = {"train.bin", "val.bin", "test.bin", "meta.json"}  # what a dataset folder may hold
 GPT2_URLS = ["https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
              "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json"]
+
+# -----------------------------------------------------------------------------
+# writing files atomically (every script writes through this)
+
+def _umask():
+    umask = os.umask(0)  # the only way to read it is to set it
+    os.umask(umask)
+    return umask
+
+@contextlib.contextmanager
+def atomic_file(path, mode="w"):
+    """`with atomic_file(path) as f:` writes a fresh temp file next to path (a unique name, created
+    exclusively, so never through a symlink someone left there), renamed over path only when the block
+    succeeds. path is always either the old file or the whole new one; the temp file never stays behind."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.",
+                                   suffix=".tmp")
+    except OSError as e:  # name the file we meant to write, not the temp name
+        raise OSError(e.errno, e.strerror, path) from None
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+        os.chmod(tmp, 0o666 & ~_umask())  # the permissions open() would have given it (mkstemp's are 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 # -----------------------------------------------------------------------------
 # tokenizers: everything is rebuilt from meta.json alone
@@ -127,13 +156,16 @@ def _write_dataset(out_dir, splits, meta):
     # point leaves either the old dataset or a temp folder load_meta never looks at.
     out_dir = os.path.normpath(out_dir)
     name, parent = os.path.basename(out_dir), os.path.dirname(out_dir) or "."
-    if os.path.exists(out_dir) and not (os.path.isdir(out_dir) and
-                                        set(os.listdir(out_dir)) <= DATASET_FILES):
+    if os.path.exists(out_dir) and not (os.path.isdir(out_dir) and set(os.listdir(out_dir)) <= DATASET_FILES):
         raise ValueError(f"{out_dir} exists and holds more than a dataset; won't replace it")
+    if os.path.exists(out_dir) and not os.access(out_dir, os.W_OK | os.X_OK):  # we could swap it but not delete it
+        raise PermissionError(f"{out_dir} is read-only, so it can't be replaced (nothing was changed); make it "
+                              f"writable (chmod u+w {shlex.quote(out_dir)}) or prepare under another --name")
     os.makedirs(parent, exist_ok=True)
-    tmp, old = [os.path.join(parent, f".{name}.{k}-{uuid.uuid4().hex[:8]}") for k in ("tmp", "old")]
-    os.makedirs(tmp)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{name}.tmp-")  # unique, created exclusively
+    old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
     try:
+        os.chmod(tmp, 0o777 & ~_umask())  # the permissions makedirs would have given it (mkdtemp's are 0o700)
         for split, ids in splits.items():
             _write_bin(os.path.join(tmp, f"{split}.bin"), ids, meta["dtype"])
         with open(os.path.join(tmp, "meta.json"), "w") as f:  # one key per line, "chars" last
@@ -146,7 +178,10 @@ def _write_dataset(out_dir, splits, meta):
             except BaseException:
                 os.rename(old, out_dir)  # put the old one back
                 raise
-            shutil.rmtree(old)
+            try:  # the new dataset is in place: from here on, failing to clean up is not an error
+                shutil.rmtree(old)
+            except OSError as e:
+                print(f"note: could not delete the old copy {old} ({e.strerror}); delete it yourself")
         else:
             os.rename(tmp, out_dir)
     finally:
@@ -226,7 +261,12 @@ def load_meta(data_dir):
 def load_tokens(data_dir, split, meta=None):
     """Read-only memmap of train.bin or val.bin."""
     meta = meta or load_meta(data_dir)
-    return np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=np.dtype(meta["dtype"]).newbyteorder("<"), mode="r")
+    data = np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=np.dtype(meta["dtype"]).newbyteorder("<"), mode="r")
+    top = int(data.max())  # one pass over the file: cheap at these sizes, and a wrong meta.json fails here, not
+    if top >= meta["vocab_size"]:  # as an index error hours into training when a rare id is drawn
+        raise ValueError(f"{data_dir}/{split}.bin holds token id {top}, but meta.json says vocab_size="
+                         f"{meta['vocab_size']} (ids must be below it); re-run: {_prepare_cmd(data_dir)}")
+    return data
 
 def load_rows(data_dir, split, meta):
     """A row dataset's split (train, val or test) as a read-only (n_rows, row_length) memmap."""
@@ -235,7 +275,11 @@ def load_rows(data_dir, split, meta):
     if not os.path.exists(path) or not isinstance(n, int) or os.path.getsize(path) != n * L * 2:
         raise ValueError(f"{path} is missing or doesn't hold the {n} rows of {L} tokens meta.json says; "
                          f"re-run: {_prepare_cmd(data_dir)}")
-    return np.memmap(path, dtype=np.dtype("uint16").newbyteorder("<"), mode="r", shape=(n, L))
+    rows = np.memmap(path, dtype=np.dtype("uint16").newbyteorder("<"), mode="r", shape=(n, L))
+    if n and int(rows.max()) >= meta["vocab_size"]:  # as load_tokens: a wrong meta.json fails here
+        raise ValueError(f"{path} holds token id {int(rows.max())}, but meta.json says vocab_size="
+                         f"{meta['vocab_size']}; re-run: {_prepare_cmd(data_dir)}")
+    return rows
 
 # -----------------------------------------------------------------------------
 # the arithmetic task: expressions mod a prime p, each followed by its step-by-step solution
@@ -449,9 +493,8 @@ def quickstart_text(data_dir):
         return "".join(topics[k] for k in sorted(topics)), f"pydoc_data.topics (Python {sys.version.split()[0]})"
     try:  # keep a copy so the next run needs no network; not having one is fine too
         os.makedirs(data_dir, exist_ok=True)
-        with open(cache + ".tmp", "w", encoding="utf-8") as f:
+        with atomic_file(cache) as f:
             f.write(text)
-        os.replace(cache + ".tmp", cache)
     except OSError:
         pass
     return text, source
@@ -460,6 +503,8 @@ def read_inputs(paths):
     """Concatenated UTF-8 text of the files, with errors that name the file (and byte offset)."""
     parts = []
     for p in paths:
+        if os.path.isdir(p):
+            raise ValueError(f"--input={p} is a folder; give the text file(s) in it, e.g. --input {p}/*.txt")
         if not os.path.isfile(p):
             raise FileNotFoundError(f"input file not found: {p}")
         with open(p, "rb") as f:
@@ -476,7 +521,10 @@ def read_inputs(paths):
 def main_task(args):
     if args.input:
         raise ValueError("--task makes its own data: drop --input")
-    out_dir = os.path.join(args.data_dir, args.name or task_name(args.operands, args.prime))
+    name = args.name if args.name is not None else task_name(args.operands, args.prime)
+    if not name or name.startswith(".") or "/" in name or os.sep in name:
+        raise ValueError(f"bad dataset name {name!r}: use a plain folder name, see --name")
+    out_dir = os.path.join(args.data_dir, name)
     meta = prepare_arithmetic(out_dir, args.operands, args.prime, args.train_size, args.val_size, args.test_size,
                               args.seed)
     rows = load_rows(out_dir, "train", meta)
@@ -505,7 +553,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.task:
         return main_task(args)
-    name = args.name or (os.path.splitext(os.path.basename(args.input[0]))[0] if args.input else "quickstart")
+    name = args.name if args.name is not None else \
+        os.path.splitext(os.path.basename(args.input[0]))[0] if args.input else "quickstart"
     if not name or name.startswith(".") or "/" in name or os.sep in name:
         raise ValueError(f"bad dataset name {name!r}: use a plain folder name, see --name")
     if not 0 < args.val_fraction < 1:
@@ -517,7 +566,16 @@ def main(argv=None):
     else:
         text, source = quickstart_text(args.data_dir)
     out_dir = os.path.join(args.data_dir, name)
+    try:
+        before = load_meta(out_dir)
+    except (ValueError, OSError):
+        before = None
     meta = prepare(text, out_dir, args.tokenizer, args.val_fraction, source, encoding)
+    changed = [k for k in ("source", "n_chars", "tokenizer", "vocab_size") if before and before.get(k) != meta[k]]
+    if changed:  # runs trained on the old data can't --resume or be analysed on this one (they'd refuse)
+        was = ", ".join(f"{k}={before.get(k)!r}" for k in changed)
+        print(f"note: replaced {out_dir}, which held other data ({was}); runs trained on that data can no longer "
+              f"be resumed or analysed")
     print(f"{out_dir}: {source} | {meta['n_chars']:,} chars | vocab {meta['vocab_size']:,} ({meta['tokenizer']}) | "
           f"train {meta['train_tokens']:,} / val {meta['val_tokens']:,} tokens ({meta['dtype']})")
     return meta

@@ -11,6 +11,7 @@ The tokenizer is rebuilt from the dataset's meta.json stored in the checkpoint, 
 """
 
 import argparse
+import math
 import sys
 import time
 from contextlib import nullcontext
@@ -120,8 +121,9 @@ def main(argv=None):
                                                    "float32, bfloat16, float16")
     args = p.parse_args(argv)
     if (args.num_samples is not None and args.num_samples < 1) or args.max_new_tokens < 0 or args.top_k < 0 \
-            or (args.temperature is not None and args.temperature < 0):
-        raise ValueError("need num_samples >= 1, max_new_tokens >= 0, top_k >= 0 and temperature >= 0")
+            or (args.temperature is not None and not 0 <= args.temperature < math.inf):
+        raise ValueError(f"need --num_samples >= 1, --max_new_tokens >= 0, --top_k >= 0 and a finite --temperature "
+                         f">= 0, got {args.num_samples}, {args.max_new_tokens}, {args.top_k} and {args.temperature}")
 
     device, _, dtype, ctx, _ = setup_device(args.device, args.dtype)  # ValueError if the device isn't there
     model, ckpt = load_checkpoint(args.out_dir, device)

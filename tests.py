@@ -7,6 +7,8 @@ The test suite: CPU, offline, a couple of minutes on 2 cores.
 import json
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 from contextlib import nullcontext
@@ -27,7 +29,7 @@ import prepare_data
 import sample
 import train
 from analyze import head_shares, renyi_entropy, router_shares, standardize
-from lime import GPT, GPTConfig, lime_mix_reference
+from lime import GPT, GPTConfig, KVStack, PlainMix
 from prepare_data import get_tokenizer, load_meta, load_tokens, prepare
 from common import save_checkpoint
 
@@ -134,19 +136,25 @@ def test_router_gradients_and_optimizer_groups():
 
 @pytest.mark.parametrize("L,block", [(1, 8), (2, 8), (4, 8), (7, 2), (7, 3), (9, 4)])
 def test_fast_mix_matches_reference_formula(L, block):
-    """The buffer-based mix (values and gradients of inputs and routers) against the plain formula."""
+    """The buffer-based mix (values and gradients of inputs and routers) against the plain formula,
+    written out here once more with explicit loops over heads so the test does not trust lime_mix."""
     torch.manual_seed(0)
     B, T, H, hd = 2, 5, 3, 4
     kvs = [torch.randn(B, T, 2, H, hd, dtype=torch.float64, requires_grad=True) for _ in range(L)]
     Ws = [None] + [torch.randn(H, (l + 1) * H, dtype=torch.float64, requires_grad=True)
                    for l in range(1, L)]
-    from lime import KVStack, _LimeMix
-    stack = KVStack(Ws[1:], block=block)
-    fast = [_LimeMix.apply(kv, stack, l, *(Ws[1:] if l == 0 else ())) for l, kv in enumerate(kvs)]  # (k, v)
-    fast = [torch.stack([k, v], dim=2).transpose(1, 3) for k, v in fast]                # (B, T, 2, H, hd)
-    ref_k = lime_mix_reference([kv[:, :, 0] for kv in kvs], Ws)
-    ref_v = lime_mix_reference([kv[:, :, 1] for kv in kvs], Ws)
-    ref = [torch.stack([k, v], dim=2) for k, v in zip(ref_k, ref_v)]
+    stack = KVStack(Ws[1:], {}, block=block)
+    plain = PlainMix(Ws[1:])
+    fast, via_plain = [], []
+    for l, kv in enumerate(kvs):
+        for mix, out in ((stack, fast), (plain, via_plain)):
+            k, v = mix(l, kv)                                                   # (B, H, T, hd) each
+            out.append(torch.stack([k, v], dim=2).transpose(1, 3))              # (B, T, 2, H, hd)
+    heads = [kv[:, :, :, h] for kv in kvs for h in range(H)]                    # layer-major, (B, T, 2, hd)
+    ref = [kvs[0]] + [torch.stack([sum(Ws[l][r, j] * heads[j] for j in range((l + 1) * H)) for r in range(H)],
+                                  dim=3) for l in range(1, L)]                  # (B, T, 2, H, hd)
+    for f, p, r in zip(fast, via_plain, ref):
+        assert torch.allclose(p, r, atol=1e-12)
     coef = [torch.randn_like(r) for r in ref]
     loss_fast = sum((f * c).sum() for f, c in zip(fast, coef))
     loss_ref = sum((r * c).sum() for r, c in zip(ref, coef))
@@ -160,10 +168,9 @@ def test_fast_mix_matches_reference_formula(L, block):
 
 
 def test_reused_gradient_buffer_and_bf16_autocast():
-    """Backward reuses its scratch gradient buffer from the previous step (KVStack.spare): gradients must
+    """Backward reuses its scratch gradient buffer from the previous step (model.kv_scratch): gradients must
     not depend on it, also when the batch shape changes. Under bf16 autocast (the CUDA training path)
     the router gradients stay fp32 and close to the fp32 ones."""
-    from lime import KVStack
     model = make(True, n_layer=9)
     randomize_routers(model)
 
@@ -173,13 +180,12 @@ def test_reused_gradient_buffer_and_bf16_autocast():
         return [W.grad.clone() for W in routers(model)]
 
     a, b = torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (3, 16))
-    KVStack.spare = None
     fresh = grads(a)
-    assert KVStack.spare is not None
-    KVStack.spare.fill_(float("nan"))                # poison the buffer the next backward reuses
+    assert model.kv_scratch["grad"].shape[0] == 2
+    model.kv_scratch["grad"].fill_(float("nan"))     # poison the buffer the next backward reuses
     assert all(torch.equal(x, y) for x, y in zip(grads(a), fresh))
     grads(b)                                         # another shape: a new buffer
-    assert KVStack.spare.shape[0] == 3
+    assert model.kv_scratch["grad"].shape[0] == 3
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(a, a)[1]
     model.zero_grad()
@@ -187,6 +193,64 @@ def test_reused_gradient_buffer_and_bf16_autocast():
     for W, g in zip(routers(model), fresh):
         assert W.grad.dtype == torch.float32
         assert (W.grad - g).norm() < 0.05 * g.norm()
+
+
+def test_plain_and_fused_paths_agree():
+    """GPTConfig.fused_mix=False runs the plain formula (PlainMix): same logits and gradients as the fused
+    path in float64, and the same short training curve in float32 (to rounding: the two sum in other orders)."""
+    idx = torch.randint(0, 61, (3, 16))
+    outs = []
+    for fused in (True, False):
+        model = make(True, dtype=torch.float64, n_layer=7, fused_mix=fused)
+        randomize_routers(model)
+        logits, loss = model(idx, idx)
+        loss.backward()
+        outs.append((logits, [p.grad for p in model.parameters()]))
+    (l1, g1), (l2, g2) = outs
+    assert torch.allclose(l1, l2, atol=1e-12, rtol=0)
+    assert all(torch.allclose(a, b, atol=1e-12, rtol=0) for a, b in zip(g1, g2))
+    x = torch.randint(0, 61, (4, 16), generator=torch.Generator().manual_seed(0))
+    curves = []
+    for fused in (True, False):
+        model = make(True, n_layer=5, fused_mix=fused)
+        curves.append(train_steps(model, [x] * 8))
+    assert curves[0][-1] < curves[0][0] - 0.5                   # it does learn (one batch, overfit)
+    assert np.allclose(curves[0], curves[1], atol=1e-5, rtol=0)
+
+
+def train_steps(model, batches, lr=3e-3):
+    """AdamW steps on next-token targets of the given batches; returns the losses. The optimizer lives on
+    the model (made on first use), so steps of one model can be interleaved with another's."""
+    if not hasattr(model, "_test_opt"):
+        model._test_opt = model.configure_optimizers(0.1, lr)
+    losses = []
+    for x in batches:
+        loss = model(x, x.roll(-1, 1))[1]
+        model._test_opt.zero_grad()
+        loss.backward()
+        model._test_opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_two_models_interleaved_train_as_alone():
+    """No state is shared between models: two LIMe models of different shapes (so different scratch
+    buffers) stepping in turn end bit-identical to each trained alone on the same batches."""
+    shapes = [dict(n_layer=7), dict(n_layer=3, n_head=2)]
+    data = [[torch.randint(0, 61, (2 + i, 16), generator=torch.Generator().manual_seed(10 * i + s))
+             for s in range(3)] for i in range(2)]
+    alone = [make(True, **s) for s in shapes]
+    for m, batches in zip(alone, data):
+        train_steps(m, batches)
+    together = [make(True, **s) for s in shapes]
+    for s in range(3):
+        for m, batches in zip(together, data):
+            train_steps(m, [batches[s]])
+    for a, b in zip(alone, together):
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(routers(together[0])[0], routers(make(True, **shapes[0]))[0])  # they did train
+    for m, s, B in zip(together, shapes, (2, 3)):  # each keeps its own buffer: (B, 2, L, H, T, hd)
+        assert m.kv_scratch["grad"].shape[:4] == (B, 2, s["n_layer"], s.get("n_head", 4))
 
 
 def test_lime_model_gradcheck():
@@ -216,19 +280,23 @@ def test_lime_model_gradcheck():
 
 def test_activation_memory_linear_in_depth():
     """LIMe keeps each layer's raw K/V once: its extra saved bytes grow linearly with depth, at most
-    one raw K/V buffer (2 * B * T * C floats) per layer."""
+    one raw K/V buffer (2 * B * T * C floats) per layer. The plain formula (fused_mix=False) keeps every
+    concatenation of layers 0..l instead: its extra grows with depth squared."""
     from bench import saved_activation_bytes
     B, T, C = 2, 16, 32
-    extra = []
+    extra, plain = [], []
     for L in (2, 4, 8):
         act = []
-        for lime in (False, True):
-            model = make(lime, n_layer=L)
+        for lime, fused in ((False, True), (True, True), (True, False)):
+            model = make(lime, n_layer=L, fused_mix=fused)
             idx = torch.randint(0, 61, (B, T))
             act.append(saved_activation_bytes(lambda: model(idx, idx), list(model.parameters()))[0])
         extra.append(act[1] - act[0])
+        plain.append(act[2] - act[0])
         assert 0 < act[1] - act[0] <= L * 2 * B * T * C * 4
     assert extra[2] - extra[1] == 2 * (extra[1] - extra[0])  # exactly linear in L
+    assert plain[2] - plain[1] > 3 * (plain[1] - plain[0])    # quadratic: L=2,4,8 -> differences grow ~4x
+    assert plain[2] > 2 * extra[2]
 
 
 def test_bench_saved_bytes_known_case():
@@ -334,6 +402,28 @@ def test_bad_config_and_inputs():
         model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 7, dtype=torch.long))
     with pytest.raises(ValueError, match="batch, time"):
         model(torch.zeros(8, dtype=torch.long))
+
+
+def test_scripts_import_one_way():
+    """Scripts share lime.py, prepare_data.py and common.py, never import each other (no cycles); common.py
+    builds on lime.py and prepare_data.py (for atomic_file) alone, and lime.py imports no script and no I/O
+    or argument-parsing module."""
+    import ast
+    allowed = {"lime", "prepare_data", "common"}
+    scripts = {"train", "sample", "analyze", "bench", "prepare_data", "common", "lime"}
+    for name in scripts:
+        tree = ast.parse(open(os.path.join(HERE, f"{name}.py")).read())
+        imported = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module}
+        own = imported & scripts
+        assert own <= allowed - {name}, f"{name}.py imports {own - allowed}"
+        if name == "lime":
+            assert own == set() and not imported & {"argparse", "os", "json", "pickle"}
+        if name == "common":
+            assert own <= {"lime", "prepare_data"}
+        if name == "prepare_data":  # the base of the others: no model, so no torch needed to prepare data
+            assert own == set()
 
 
 # ----------------------------------------------------------------------------- prepare_data.py: corpora, tokenizers, dataset files
@@ -498,6 +588,65 @@ def test_data_bad_inputs(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="bad dataset name"):
         prepare_data.main(["--input=tiny.txt", "--name=../x"])
     assert not os.path.exists("data/tiny") and not os.path.exists("data/empty")
+
+@pytest.mark.parametrize("args, error, match", [
+    (["--input=folder"], ValueError, "--input=folder is a folder; give the text file"),  # was "not found"
+    (["--input=tiny.txt", "--name="], ValueError, "bad dataset name ''"),                 # was silently ignored
+])
+def test_data_cli_misleading_inputs(tmp_path, monkeypatch, args, error, match):
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("folder")
+    with open("tiny.txt", "w") as f:
+        f.write(DATA_TEXT)
+    with pytest.raises(error, match=re.escape(match)):
+        prepare_data.main(args)
+    assert sorted(os.listdir()) == ["folder", "tiny.txt"]  # nothing written
+
+
+def test_data_replacing_other_data_says_so(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text(DATA_TEXT)
+    (tmp_path / "b.txt").write_text(DATA_TEXT * 2)
+    prepare_data.main([f"--input={tmp_path / 'a.txt'}", "--name=x", f"--data_dir={tmp_path}"])
+    prepare_data.main([f"--input={tmp_path / 'a.txt'}", "--name=x", f"--data_dir={tmp_path}"])
+    assert "note" not in capsys.readouterr().out  # the same data again: nothing to say
+    prepare_data.main([f"--input={tmp_path / 'b.txt'}", "--name=x", f"--data_dir={tmp_path}"])
+    assert re.search(rf"note: replaced .*x, which held other data \(source='files: .*a.txt', "
+                     rf"n_chars={len(DATA_TEXT)}\)", capsys.readouterr().out)
+
+
+def test_data_read_only_folder_changes_nothing(tmp_path, monkeypatch, capsys):
+    good = str(tmp_path / "good")
+    meta = prepare(DATA_TEXT, good, source="old")
+    # a read-only folder, as a normal user sees it (the tests may run as root, who may write anywhere): it can
+    # be moved aside (its parent is writable) but not emptied
+    access, rmtree = os.access, shutil.rmtree
+    monkeypatch.setattr(prepare_data.os, "access", lambda p, mode: os.path.normpath(p) != good and access(p, mode))
+    def rmtree_read_only(path, *a, **k):
+        if ".good.old-" in str(path):
+            raise PermissionError(13, "Permission denied")
+        rmtree(path, *a, **k)
+    monkeypatch.setattr(prepare_data.shutil, "rmtree", rmtree_read_only)
+    with pytest.raises(PermissionError, match="good is read-only.*nothing was changed"):
+        prepare(DATA_TEXT * 2, good, source="new")
+    assert load_meta(good) == meta and sorted(os.listdir(tmp_path)) == ["good"]  # no install, no hidden folders
+    # cleaning up after the swap fails some other way: the new dataset is in place, so no error, but a note
+    monkeypatch.setattr(prepare_data.os, "access", access)
+    assert prepare(DATA_TEXT * 2, good, source="new")["source"] == "new" and load_meta(good)["source"] == "new"
+    old = [d for d in os.listdir(tmp_path) if d.startswith(".good.old-")]
+    assert len(old) == 1 and f"could not delete the old copy {tmp_path / old[0]}" in capsys.readouterr().out
+
+
+def test_data_vocab_size_below_token_ids(tmp_path):
+    d = str(tmp_path / "x")
+    prepare(DATA_TEXT, d)
+    with open(os.path.join(d, "meta.json")) as f:
+        meta = json.load(f)
+    n = meta["vocab_size"] - 3
+    with open(os.path.join(d, "meta.json"), "w") as f:  # consistent in itself, but the data has larger ids
+        json.dump(dict(meta, vocab_size=n, chars=meta["chars"][:n]), f)
+    with pytest.raises(ValueError, match=rf"train.bin holds token id {n + 2}, but meta.json says vocab_size={n}"):
+        load_tokens(d, "train")
+
 
 def test_data_gpt2_offline_fails_fast(tmp_path, monkeypatch):
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty_cache"))
@@ -673,6 +822,21 @@ def test_train_resume_is_exact(tiny_data, tmp_path):
                 assert abs(ra[k] - rb[k]) <= 1e-6, (ra, rb)
 
 
+def test_train_passes_over_data(tiny_data, tmp_path, capsys):
+    """passes = max_iters x tokens per iteration / training tokens: in the run header, the log header and the
+    comparison summary; more than 2 gets a warning (overfitting, not what depth does, would dominate)."""
+    n_train = load_meta(str(tmp_path / "data" / "tiny_data"))["train_tokens"]
+    for iters, accum in ((3, 1), (200, 2)):
+        out = tmp_path / f"p{iters}"
+        train.main(tiny_data(f"--max_iters={iters}", f"--gradient_accumulation_steps={accum}", f"--out_dir={out}"))
+        passes = iters * 4 * 16 * accum / n_train  # batch_size 4 x block_size 16 tokens per micro-batch
+        assert train.read_log(str(out / "log.jsonl"), header=True)["passes"] == pytest.approx(passes)
+        printed = capsys.readouterr().out
+        assert f"{iters} iters = {passes:.2f} passes over the {n_train:,} training tokens" in printed
+        assert ("warning: " in printed) == (passes > 2)
+    assert 3 * 64 / n_train < 2 < 200 * 128 / n_train  # (both branches ran)
+
+
 def test_train_batches_depend_only_on_seed_and_iter():
     data = np.arange(1000, dtype=np.uint16)
     cfg = dict(seed=1, block_size=8, batch_size=3, gradient_accumulation_steps=2)
@@ -827,6 +991,95 @@ def test_train_plot_from_logs(tmp_path):
         assert json.load(f)["per_seed"][1]["seed"] == 2
 
 
+def write_logs(out, runs, seeds=(1,)):
+    """Hand-made --compare folder: {run dir name: records} with a header each; seed from the name."""
+    for d, lg in runs.items():
+        os.makedirs(os.path.join(out, d), exist_ok=True)
+        cfg = dict(train.PRESETS["cpu"], dataset="x", router_lr=1e-2, seed=int(d[-1]) if d[-1].isdigit() else seeds[0])
+        with open(os.path.join(out, d, "log.jsonl"), "w") as f:
+            f.write(json.dumps({"config": cfg}) + "\n")
+            f.writelines(json.dumps(r) + "\n" for r in lg)
+
+
+def test_train_plot_compares_like_with_like(tmp_path, capsys):
+    write_logs(tmp_path, {"baseline": log([0, 10, 20], [4.0, 3.0, 2.0]), "lime": log([0, 11, 22], [4.0, 2.5, 1.9])})
+    assert train.main([f"--plot={tmp_path}"])["iter"] == 2
+    files = lambda: {f: open(tmp_path / f, "rb").read() for f in ("loss_vs_flops.png", "summary.json")}
+    good = files()
+    with open(tmp_path / "lime" / "log.jsonl") as f:
+        lines = f.readlines()
+    with open(tmp_path / "lime" / "log.jsonl", "w") as f:  # killed mid-write: its last record half there
+        f.writelines(lines[:-1] + [lines[-1][:15]])
+    with pytest.raises(ValueError, match=re.escape(
+            f"not replacing {tmp_path}/summary.json and loss_vs_flops.png: they compare the runs at iter 2, further "
+            f"than the logs now reach (baseline at iter 2, lime at iter 1)")):
+        train.main([f"--plot={tmp_path}"])
+    assert files() == good
+    os.remove(tmp_path / "summary.json")  # the way to plot them anyway: both at iter 1, not LIMe's 1 vs baseline's 2
+    capsys.readouterr()
+    s = train.main([f"--plot={tmp_path}"])
+    assert s["iter"] == 1 and s["per_seed"][0]["baseline_val_loss"] == 3.0 and s["per_seed"][0]["lime_val_loss"] == 2.5
+    assert ("note: the runs end at different iterations (baseline at iter 2, lime at iter 1); comparing them all "
+            "at iter 1") in capsys.readouterr().out
+    with open(tmp_path / "lime" / "log.jsonl", "w") as f:  # only the initial evaluation left: nothing to compare
+        f.writelines(lines[:2])
+    with pytest.raises(ValueError, match=re.escape("no evaluation in common past iter 0 yet (baseline at iter 2, "
+                                                   "lime at iter 0)")):
+        train.main([f"--plot={tmp_path}"])
+
+
+@pytest.mark.parametrize("damage, error", [
+    ("summary not an object", "summary.json is not a summary written by train.py; delete it"),
+    ("summary of other seeds", "summary.json lists seeds 3, 4, but the runs in T are of seeds 1, 2: it belongs to "
+                               "another comparison; delete it"),
+    ("header line cut", None),  # plots: the summary says which seed the first runs are
+])
+def test_train_plot_damaged_summary_or_header(tmp_path, damage, error):
+    write_logs(tmp_path, {d: log([0, 10, 20], [4.0, 3.0, 2.0]) for d in ("baseline", "lime", "baseline_seed2",
+                                                                         "lime_seed2")})
+    summary = {"summary not an object": [1, 2], "summary of other seeds": dict(seeds=[3, 4]),
+               "header line cut": dict(seeds=[1, 2], status="training")}[damage]
+    with open(tmp_path / "summary.json", "w") as f:
+        json.dump(summary, f)
+    if damage == "header line cut":
+        with open(tmp_path / "baseline" / "log.jsonl") as f:
+            lines = f.readlines()
+        with open(tmp_path / "baseline" / "log.jsonl", "w") as f:
+            f.writelines([lines[0][:20] + "\n"] + lines[1:])
+        assert train.main([f"--plot={tmp_path}"])["seeds"] == [1, 2]
+    else:
+        with pytest.raises(ValueError, match=re.escape(error.replace("T", str(tmp_path)))):
+            train.main([f"--plot={tmp_path}"])
+
+
+@pytest.mark.parametrize("write, old_tmp", [  # each writer, and the fixed temp name it used to write through
+    ("ckpt.pt", "ckpt.pt.tmp"), ("log.jsonl", "log.jsonl.tmp"), ("loss_vs_flops.png", "loss_vs_flops.png.tmp.png"),
+    ("tinyshakespeare.txt", "tinyshakespeare.txt.tmp")])
+def test_train_temp_files_are_unique_and_exclusive(tmp_path, monkeypatch, write, old_tmp):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    d = tmp_path / "out"
+    d.mkdir()
+    os.symlink(victim, d / old_tmp)  # a link left (or planted) at the old name must not be written through
+    if write == "ckpt.pt":
+        save_checkpoint(dict(x=torch.zeros(3)), str(d))
+    elif write == "log.jsonl":
+        train.start_log(str(d / write), {"config": {}})
+    elif write == "loss_vs_flops.png":
+        runs = [log([0, 10, 20], [4.0, 3.0, 2.0])], [log([0, 11, 22], [4.0, 2.5, 1.9])]
+        train.plot_compare(str(d / write), *runs, train.summarize([1], *runs))
+    else:
+        monkeypatch.setattr(prepare_data, "download", lambda url, timeout=5: DATA_TEXT)
+        prepare_data.quickstart_text(str(d))
+    assert victim.read_text() == "precious" and os.path.getsize(d / write) > 0
+    assert sorted(os.listdir(d)) == sorted([write, old_tmp])  # no temp file left behind
+    with pytest.raises(ZeroDivisionError), prepare_data.atomic_file(str(d / write)) as f:
+        f.write("half")
+        1 / 0
+    assert os.path.getsize(d / write) > 4  # a failed write keeps the old file, and leaves no temp file
+    assert sorted(os.listdir(d)) == sorted([write, old_tmp])
+
+
 def test_train_bad_input(tiny_data, tmp_path):
     with pytest.raises(FileNotFoundError, match="python prepare_data.py --input=YOUR_TEXT.txt --name=nope"):
         train.main(tiny_data("--dataset=nope", f"--out_dir={tmp_path / 'o'}"))
@@ -841,6 +1094,92 @@ def test_train_bad_input(tiny_data, tmp_path):
         train.main(tiny_data("--resume=True", "--lime=True", f"--out_dir={tmp_path / 'o'}"))
     with pytest.raises(ValueError, match="--lime"):
         train.main(tiny_data("--lime=maybe"))
+    prepare_data.prepare(TRAIN_TEXT * 2, str(tmp_path / "data" / "tiny_data"))  # same characters, other text
+    with pytest.raises(ValueError, match=r"tiny_data is no longer the dataset .*ckpt.pt was trained on \(n_chars: "):
+        train.main(tiny_data("--resume=True", f"--out_dir={tmp_path / 'o'}", "--max_iters=4"))
+
+
+BAD_FLOAT_FLAGS = [("grad_clip", "nan"), ("min_lr", "nan"), ("weight_decay", "inf"), ("learning_rate", "nan"),
+                   ("router_lr", "-inf"), ("dropout", "nan"), ("beta2", "nan")]
+
+
+@pytest.mark.parametrize("flag, match", [
+    ("--learning_rate=-1", "--learning_rate must be > 0, got -1.0"),  # blamed --min_lr (derived from it)
+    ("--seed=-1", "--seed must be at least 0, got -1"),              # wrote a log first, then numpy's words
+    ("--device=foo", "unknown --device=foo; use auto, cpu, cuda, cuda:N or mps"),
+] + [(f"--{k}={v}", f"--{k} must be a finite number, got {v}") for k, v in BAD_FLOAT_FLAGS])
+def test_train_bad_flag_named_before_anything_is_written(tiny_data, tmp_path, flag, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        train.main(tiny_data(flag, "--max_iters=2", f"--out_dir={tmp_path / 'o'}"))
+    assert not (tmp_path / "o").exists()
+
+
+def test_train_refuses_to_replace_a_run(tiny_data, tmp_path):
+    out = str(tmp_path / "o")
+    train.main(tiny_data("--max_iters=4", f"--out_dir={out}"))
+    files = lambda: {f: open(os.path.join(out, f), "rb").read() for f in ("ckpt.pt", "log.jsonl")}
+    before = files()
+    with pytest.raises(ValueError, match=re.escape(f"{out} already holds a run (ckpt.pt, log.jsonl); continue it "
+                                                   f"with --resume=True, or train into a new --out_dir")):
+        train.main(tiny_data("--max_iters=4", f"--out_dir={out}", "--lime=True"))
+    assert files() == before
+    # a run stopped before its first checkpoint: --resume can't continue it, and says how to start over
+    os.remove(os.path.join(out, "ckpt.pt"))
+    with pytest.raises(FileNotFoundError, match=f"stopped before its first checkpoint: to start over, delete {out}"):
+        train.main(tiny_data("--resume=True", f"--out_dir={out}"))
+
+
+@pytest.mark.parametrize("where, match", [
+    ("file", "--out_dir=F is a file, not a folder"),
+    ("under a file", r"can't write to --out_dir=F/run \(Not a directory\)"),
+    ("read-only", r"can't write to --out_dir=D \(Permission denied\)"),
+])
+def test_train_unusable_out_dir(tiny_data, tmp_path, monkeypatch, where, match):
+    f, d = tmp_path / "f", tmp_path / "d"
+    f.write_text("not a folder")
+    out = {"file": f, "under a file": f / "run", "read-only": d}[where]
+    if where == "read-only":  # as a normal user finds it (tests may run as root, who can write anywhere)
+        d.mkdir()
+        def refuse(*a, dir=None, **k):
+            raise PermissionError(13, "Permission denied")
+        monkeypatch.setattr(train.tempfile, "TemporaryFile", refuse)
+    with pytest.raises(ValueError, match=match.replace("F", re.escape(str(f))).replace("D", re.escape(str(d)))):
+        train.main(tiny_data("--max_iters=2", f"--out_dir={out}"))
+    assert sorted(os.listdir(tmp_path)) == (["d", "data", "f"] if where == "read-only" else ["data", "f"])
+    assert f.read_text() == "not a folder" and (not d.exists() or os.listdir(d) == [])
+
+
+BAD_CHECKPOINTS = [  # kind, what the error says (besides the file's path)
+    ("truncated", "torch.load can't read it"), ("empty", "torch.load can't read it"),
+    ("text", "torch.load can't read it"), ("foreign", "it has no 'model_args'"),
+    ("missing keys", "it has no 'model_args'"), ("folder", "it is a folder"),
+    ("wrong weights", "its weights don't fit its model_args")]
+
+
+def damage_checkpoint(path, kind):
+    """Replace the good checkpoint at path by a bad one of the given kind."""
+    good = open(path, "rb").read()
+    ckpt = torch.load(path, weights_only=True)
+    os.remove(path)
+    if kind == "folder":
+        os.makedirs(path)
+    elif kind in ("foreign", "missing keys", "wrong weights"):
+        ckpt["model"].pop("transformer.wte.weight")
+        torch.save({"foreign": [1, 2, 3], "missing keys": {k: v for k, v in ckpt.items() if k != "model_args"},
+                    "wrong weights": ckpt}[kind], path)
+    else:
+        with open(path, "wb") as f:
+            f.write({"truncated": good[:len(good) // 2], "empty": b"", "text": b"hello"}[kind])
+
+
+def test_train_resume_from_bad_checkpoint(tiny_data, tmp_path):
+    train.main(tiny_data("--max_iters=4", f"--out_dir={tmp_path / 'good'}"))
+    for kind, match in BAD_CHECKPOINTS:
+        out = tmp_path / kind.replace(" ", "_")
+        shutil.copytree(tmp_path / "good", out)
+        damage_checkpoint(str(out / "ckpt.pt"), kind)
+        with pytest.raises(ValueError, match=re.escape(f"{out / 'ckpt.pt'}") + ".*" + re.escape(match)):
+            train.main(tiny_data("--resume=True", "--max_iters=8", f"--out_dir={out}"))
 
 
 def test_train_nan_loss_keeps_last_good_checkpoint(tiny_data, tmp_path, monkeypatch):
@@ -856,8 +1195,10 @@ def test_train_nan_loss_keeps_last_good_checkpoint(tiny_data, tmp_path, monkeypa
 
     monkeypatch.setattr(GPT, "forward", nan_after_6_steps)
     out = str(tmp_path / "nan")
-    with pytest.raises(train.NonFiniteLoss, match="training loss is nan at iteration 6.*iter 4"):
+    # steps 1..6 of the log are fine, step 7 is the first NaN: counted from 1, as the log counts
+    with pytest.raises(train.NonFiniteLoss, match="training loss is nan at iteration 7.*iter 4"):
         train.main(tiny_data("--max_iters=10", f"--out_dir={out}"))
+    assert records(out)[-1]["iter"] == 6 and math.isfinite(records(out)[-1]["train_loss"])
     assert issubclass(train.NonFiniteLoss, ValueError)  # so __main__ prints one line and exits 1
     _, ckpt = common.load_checkpoint(out)
     assert ckpt["iter_num"] == 4 and all(torch.isfinite(t).all() for t in ckpt["model"].values())
@@ -869,6 +1210,31 @@ def test_train_cli_error_is_one_line(tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: no dataset at") and "prepare_data.py" in lines[0]
+
+
+def test_train_progress_reaches_a_pipe_while_running(tiny_data, tmp_path):
+    """`python train.py ... > log` then `tail -f log`: stdout is line-buffered, so the header line is
+    readable while the run is still going (block-buffered, it would arrive only at exit)."""
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), *tiny_data(
+        "--max_iters=400", "--eval_interval=400", "--log_interval=400", f"--out_dir={tmp_path / 'o'}")],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"})  # (as a user's shell has it)
+    try:
+        first = p.stdout.readline()
+        assert first.startswith("baseline: ")
+        assert not os.path.exists(tmp_path / "o" / "ckpt.pt")  # (saved at iteration 400, the end)
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_train_cli_os_error_is_one_line(tmp_path):
+    write_logs(tmp_path, {"baseline": log([0, 10], [4.0, 3.0]), "lime": log([0, 11], [4.0, 2.9])})
+    os.makedirs(tmp_path / "summary.json")  # any OSError (here: reading a folder) used to escape __main__
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), f"--plot={tmp_path}"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("error: ") and f"Is a directory: '{tmp_path}/summary.json'" in r.stderr
 
 
 def test_train_compare_two_seeds(tiny_data, tmp_path, monkeypatch):
@@ -884,8 +1250,46 @@ def test_train_compare_two_seeds(tiny_data, tmp_path, monkeypatch):
         _, ckpt = common.load_checkpoint(os.path.join(out, d))
         assert ckpt["config"]["lime"] == lime and ckpt["config"]["seed"] == seed and ckpt["iter_num"] == 4
     before = open(os.path.join(out, "lime", "log.jsonl")).read()
+    summary = open(os.path.join(out, "summary.json")).read()
+    with pytest.raises(ValueError, match=re.escape(f"{out} already holds a comparison (summary.json, loss_vs_flops"
+                                                   f".png, baseline, lime, baseline_seed6, lime_seed6); continue it "
+                                                   f"with --compare --resume=True, or use a new --out_dir")):
+        train.main(tiny_data("--compare", "--seeds=2", "--max_iters=4", f"--out_dir={out}", "--seed=5"))
+    assert open(os.path.join(out, "summary.json")).read() == summary
+    os.remove(os.path.join(out, "lime_seed6", "ckpt.pt"))  # as if killed before its first checkpoint: starts over
+    losses = [r["train_loss"] for r in records(os.path.join(out, "lime_seed6"))[1:]]
     train.main(tiny_data("--compare", "--seeds=2", "--max_iters=4", f"--out_dir={out}", "--seed=5", "--resume"))
     assert open(os.path.join(out, "lime", "log.jsonl")).read().split("\n")[1:] == before.split("\n")[1:]
+    assert [r["train_loss"] for r in records(os.path.join(out, "lime_seed6"))[1:]] == pytest.approx(losses)
+    assert os.path.exists(os.path.join(out, "lime_seed6", "ckpt.pt"))
+
+
+def test_train_depth_sweep(tiny_data, tmp_path, monkeypatch, capsys):
+    """--compare --depths: a comparison per depth in OUT/depthL, resumable when half finished (finished
+    depths kept as they are), and sweep.json's numbers are those of the runs' logs."""
+    monkeypatch.setattr(train, "run_analyze", lambda out_dir, device="auto": None)
+    out = str(tmp_path / "sweep")
+    flags = tiny_data("--compare", "--max_iters=4", f"--out_dir={out}")
+    train.main(flags + ["--depths=1"])                                   # half of the sweep
+    log1 = open(os.path.join(out, "depth1", "lime", "log.jsonl")).read()
+    with pytest.raises(ValueError, match="already holds a comparison"):  # not without --resume
+        train.main(flags + ["--depths=1,2"])
+    s = train.main(flags + ["--depths=2,1", "--resume=True"])           # the rest
+    assert sorted(os.listdir(out)) == ["depth1", "depth2", "loss_vs_depth.png", "sweep.json"]
+    assert open(os.path.join(out, "depth1", "lime", "log.jsonl")).read().split("\n")[1:] == log1.split("\n")[1:]
+    assert s["depths"] == [1, 2] and json.load(open(os.path.join(out, "sweep.json"))) == s
+    for row in s["per_depth"]:
+        for v in ("baseline", "lime"):
+            d = os.path.join(out, f"depth{row['n_layer']}", v)
+            last = [r for r in records(d) if "val_loss" in r][-1]
+            assert row[v]["val_loss"] == [last["val_loss"]] and row[v]["flops"] == last["flops"]
+            assert common.load_checkpoint(d)[0].config.n_layer == row["n_layer"]
+    assert s["per_depth"][1]["baseline"]["flops"] > s["per_depth"][0]["baseline"]["flops"]
+    printed = capsys.readouterr().out
+    assert "LIMe at 1 layers" in printed and "baseline at 2 layers" in printed
+    assert train.main([f"--plot={out}"]) == s                            # redrawn from the logs alone
+    with pytest.raises(ValueError, match="--depths=4,x is not"):
+        train.main(flags + ["--depths=4,x"])
 
 
 def test_train_task_compare_end_to_end(task_data, tmp_path, monkeypatch, capsys):
@@ -1008,6 +1412,19 @@ def test_sample_cli_errors_are_one_line(ckpt_dir, tmp_path):
         assert r.returncode == 1 and r.stdout == ""
         assert r.stderr.startswith("error: ") and expected in r.stderr
         assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("kind, match", BAD_CHECKPOINTS)
+def test_sample_bad_checkpoint(ckpt_dir, kind, match):
+    damage_checkpoint(os.path.join(ckpt_dir, "ckpt.pt"), kind)
+    with pytest.raises(ValueError, match=re.escape(os.path.join(ckpt_dir, "ckpt.pt")) + ".*" + re.escape(match)):
+        sample.main([f"--out_dir={ckpt_dir}", "--device=cpu"])
+
+
+@pytest.mark.parametrize("flag", ["--temperature=nan", "--temperature=inf", "--temperature=-1"])
+def test_sample_temperature_must_be_finite(ckpt_dir, flag):
+    with pytest.raises(ValueError, match=f"a finite --temperature >= 0, got .* and {flag.split('=')[1]}"):
+        sample.main([f"--out_dir={ckpt_dir}", "--device=cpu", "--max_new_tokens=3", flag])
 
 
 def test_sample_bpe_tokenizer_and_padded_vocab(capsys):
@@ -1152,8 +1569,162 @@ def test_analyze_compare_writes_figures(tmp_path, capsys):
     assert single["router"]["shares"] == saved["router"]["shares"] and os.path.getsize(out / "lime" / "router_map.png")
 
 
+def test_analyze_refuses_re_prepared_dataset(tmp_path):
+    out, data = tmp_path / "out", str(tmp_path / "data" / "tiny")
+    make_run(str(out / "baseline"), data, lime=False)
+    make_run(str(out / "lime"), data, lime=True)
+    prepare(ANALYZE_TEXT * 2, data)  # the same characters (so the same vocab), other text
+    with pytest.raises(ValueError, match=re.escape(f"{data} is no longer the dataset {out / 'baseline' / 'ckpt.pt'} "
+                                                   f"was trained on (n_chars: {len(ANALYZE_TEXT)} then, "
+                                                   f"{2 * len(ANALYZE_TEXT)} now")):
+        analyze.analyze_compare(str(out))
+    assert sorted(os.listdir(out)) == ["baseline", "lime"]  # no figures drawn from the wrong data
+
+
+@pytest.mark.parametrize("max_sequences", [0, -4])
+def test_analyze_max_sequences_must_be_positive(tmp_path, max_sequences):
+    make_run(str(tmp_path / "out" / "lime"), str(tmp_path / "data" / "tiny"), lime=True)
+    with pytest.raises(ValueError, match=f"--max_sequences must be at least 1, got {max_sequences}"):
+        analyze.main([str(tmp_path / "out"), f"--max_sequences={max_sequences}"])
+    assert os.listdir(tmp_path / "out") == ["lime"]
+
+
 def test_analyze_cli_error_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, "analyze.py", str(tmp_path)], cwd=HERE, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 1 and r.stderr.startswith("error: ") and "python train.py --compare" in r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0
+
+
+# ----------------------------------------------------------------------------- analyze.py: token separability
+
+WORD_TEXT = "It is here; this is.\nis are island, is't was were? is"
+
+
+def _word_encoding():
+    # byte-level BPE made up here with GPT-2's habit of gluing the leading space to a word: " is", " are", ...
+    ranks = {bytes([i]): i for i in range(256)}
+    for m in [b" i", b" is", b" a", b" ar", b" are", b" w", b" wa", b" was", b" we", b" wer", b" were"]:
+        ranks[m] = len(ranks)
+    return tiktoken.Encoding(name="tinyw", pat_str=r""" ?\w+| ?[^\s\w]+|\s+""", mergeable_ranks=ranks,
+                             special_tokens={})
+
+
+def test_analyze_word_positions_char():
+    tok = get_tokenizer({"tokenizer": "char", "chars": sorted(set(WORD_TEXT))})
+    tokens = np.array(tok.encode(WORD_TEXT))
+    # the last character of every whole-word "is": not in "this" or "island"; "is't" and the line start count
+    assert analyze.word_positions(tokens, tok, "is").tolist() == [4, 18, 22, 37, 52]
+    assert [analyze.word_positions(tokens, tok, w).tolist() for w in ["are", "was", "were"]] == [[26], [43], [48]]
+    assert analyze.word_positions(tokens, tok, "Is").tolist() == []  # case-sensitive
+    assert analyze.word_positions(tokens, tok, "zebra").tolist() == []  # not even in the vocabulary: none
+    found = analyze.find_occurrences(tokens, tok, ["is", "are"], block_size=19)  # needs a full window: p >= 18
+    assert found["is"].tolist() == [18, 22, 37, 52] and found["are"].tolist() == [26]
+
+
+def test_analyze_word_positions_bpe():
+    enc = _word_encoding()
+    tok = get_tokenizer({"tokenizer": "tiktoken", "encoding": "tinyw"}, encoding=enc)
+    tokens = np.array(tok.encode(WORD_TEXT))
+    # " is" tokens: not " is"+"land", not "\nis" (no leading space: another token), the last token counts
+    pos = analyze.word_positions(tokens, tok, "is")
+    assert pos.tolist() == [2, 14, 26, 32] and {tok.decode([t]) for t in tokens[pos]} == {" is"}
+    assert tok.decode([tokens[21]]) == "l" and tokens[20] == tokens[2]  # the " is" of " island" exists, dropped
+    assert [analyze.word_positions(tokens, tok, w).tolist() for w in ["are", "was", "were"]] == [[19], [29], [30]]
+    with pytest.raises(analyze.CantProbe, match="' here' is 5 BPE tokens"):
+        analyze.word_positions(tokens, tok, "here")
+
+
+def test_analyze_balanced_sample_and_folds_deterministic():
+    found = {"a": np.arange(0, 100, 2), "b": np.arange(1, 61, 2), "c": 3 * np.arange(40) + 1000}  # 50, 30, 40
+    pos, labels, n = analyze.balanced_sample(found, seed=3)
+    assert n == 30 and np.bincount(labels).tolist() == [30, 30, 30] and len(pos) == 90
+    for i, p in enumerate(found.values()):
+        chosen = pos[labels == i]
+        assert len(set(chosen)) == 30 and set(chosen) <= set(p) and (np.diff(chosen) > 0).all()
+    again = analyze.balanced_sample(found, seed=3)
+    assert (again[0] == pos).all() and (again[1] == labels).all()
+    assert (analyze.balanced_sample(found, seed=4)[0] != pos).any()
+    assert analyze.balanced_sample(found, seed=3, max_per_word=10)[2] == 10
+    with pytest.raises(analyze.CantProbe, match=r"'b': 24, 'c': 40; at least 25 of each"):
+        analyze.balanced_sample(dict(found, b=np.arange(24)), seed=3)
+
+    labels = np.repeat(np.arange(3), [30, 30, 7])
+    folds = analyze.stratified_folds(labels, 5, seed=3)
+    assert (folds == analyze.stratified_folds(labels, 5, seed=3)).all()
+    assert (folds != analyze.stratified_folds(labels, 5, seed=4)).any()
+    for c, per_fold in [(0, [6] * 5), (1, [6] * 5), (2, [2, 2, 1, 1, 1])]:  # every class spread evenly
+        assert np.bincount(folds[labels == c], minlength=5).tolist() == per_fold
+
+
+def test_analyze_logistic_regression_converges():
+    g = torch.Generator().manual_seed(0)
+    X, y = torch.randn(2, 60, 10, generator=g, dtype=torch.float64), torch.arange(60) % 3
+    train = torch.stack([torch.arange(60) < 40, torch.arange(60) >= 15])  # two problems, fitted together
+    W, b = analyze.logistic_regression(X, y, train, 3, l2=1e-2)
+    for p in range(2):                                   # each at the minimum of ITS penalised objective
+        Wp, bp = W[p].clone().requires_grad_(), b[p].clone().requires_grad_()
+        loss = (torch.nn.functional.cross_entropy(X[p][train[p]] @ Wp + bp, y[train[p]])
+                + 0.5 * 1e-2 * (Wp ** 2).sum())
+        gW, gb = torch.autograd.grad(loss, (Wp, bp))
+        assert max(gW.abs().max(), gb.abs().max()) < 1e-5 and Wp.abs().max() > 0.1  # (not stuck at the zero start)
+
+
+def test_analyze_cv_accuracy_separable_and_independent():
+    g = torch.Generator().manual_seed(0)
+    labels = np.repeat(np.arange(4), 100)                   # 4 balanced classes of 100
+    folds = analyze.stratified_folds(labels, 5, seed=0)
+    # separable: class c sits at 10 * e_c plus unit noise, far apart in 16 dims -> every fold is perfect
+    X = 10 * torch.nn.functional.one_hot(torch.as_tensor(labels), 16).double() + torch.randn(400, 16, generator=g)
+    assert analyze.cv_accuracy(X, labels, folds) == [1.0] * 5
+    # independent of the labels: each of the 400 held-out predictions is right with probability 1/4, so the
+    # mean accuracy is Binomial(400, 1/4) / 400, sd sqrt(1/4 * 3/4 / 400) = 0.022; 4 sd = 0.087
+    acc = analyze.cv_accuracy(torch.randn(400, 16, generator=g, dtype=torch.float64), labels, folds)
+    assert abs(np.mean(acc) - 0.25) < 0.087
+
+
+SEP_TEXT = " ".join(np.random.default_rng(0).choice(["it is so.", "they are so.", "it was so.", "they were so."],
+                                                    500).tolist())  # ~6 KB, ~125 of each word
+
+
+def test_analyze_compare_separability(tmp_path, capsys):
+    out, data = tmp_path / "out", str(tmp_path / "data" / "words")
+    prepare(SEP_TEXT, data, tokenizer="char", val_fraction=0.5)
+    make_run(str(out / "baseline"), data, lime=False)
+    make_run(str(out / "lime"), data, lime=True)
+    result = analyze.analyze_compare(str(out), words=["is", "was", "were"], seed=1)
+    printed = capsys.readouterr().out
+    with open(out / "separability.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "separability.png: last layer accuracy, values: baseline" in printed
+    saved = json.load(open(out / "analysis.json"))["separability"]
+    assert saved == json.loads(json.dumps(result["separability"])) and saved["skipped"] == {} and saved["seed"] == 1
+    val = get_tokenizer(load_meta(data)).decode(load_tokens(data, "val"))
+    for run in ["baseline", "lime"]:
+        r = saved["per_run"][run]
+        # every whole word in the val text, less those within the first block_size - 1 = 15 characters
+        assert r["found"] == {w: sum(m.end() > 15 for m in re.finditer(rf"\b{w}\b", val)) for w in saved["words"]}
+        assert r["per_word"] == min(r["found"].values()) >= analyze.MIN_PER_WORD
+        for kind in ["values", "hidden"]:
+            assert len(r[kind]["mean"]) == len(r[kind]["std"]) == 3
+            assert all(0 <= m <= 1 for m in r[kind]["mean"]) and all(0 <= s <= 0.5 for s in r[kind]["std"])
+        # known answer: layer 0's values see only the token at the word's last character (no router there),
+        # "s" for is/was, "e" for were: "were" is always right, is/was are one point, so one of the two is
+        # (2/3 exactly, up to rounding noise deciding the tie). The space after the word would give 1/3,
+        # the character before it ("i", "a", "r") 1.0
+        assert abs(r["values"]["mean"][0] - 2 / 3) < 0.1
+
+
+def test_analyze_separability_too_rare(tmp_path, capsys):
+    out, data = tmp_path / "out", str(tmp_path / "data" / "tiny")  # ANALYZE_TEXT has none of the words
+    make_run(str(out / "lime"), data, lime=True)
+    saved = analyze.analyze_compare(str(out / "lime"))["separability"]       # default words: a note, no figure
+    assert "'is': 0" in saved["skipped"][os.path.normpath(str(out / "lime"))] and saved["per_run"] == {}
+    assert "note: no token separability" in capsys.readouterr().err and not os.path.exists(out / "lime" / "separability.png")
+    for bad in ["is", "is,is", "is,,are", "is,are you"]:
+        with pytest.raises(ValueError, match="at least two distinct words"):
+            analyze.parse_words(bad)
+    r = subprocess.run([sys.executable, "analyze.py", str(out / "lime"), "--words=speak,hear"], cwd=HERE,  # explicit
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stderr.startswith("error: token separability of ") and "'hear': 3;" in r.stderr
     assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0

@@ -4,16 +4,17 @@ Train a GPT with or without LIMe, or both on identical data, and compare loss ag
     python prepare_data.py                         # once: makes data/quickstart
     python train.py --compare                      # baseline, then LIMe: ~4 min on 2 CPU cores -> out-compare/
     python train.py --lime=True --out_dir=out-lime # one variant
-    python train.py --compare --seeds=3            # 3 seeds per variant: mean curves with min-max bands
-    python train.py --compare --preset=gpu         # bigger model for one GPU; --preset=deep: 24 narrow layers
+    python train.py --compare --seeds=3 --out_dir=out-seeds   # 3 seeds per variant: mean curves, min-max bands
+    python train.py --compare --preset=gpu --out_dir=out-gpu  # bigger model for one GPU; --preset=deep: 24 narrow layers
     python train.py --plot out-compare             # redraw the figure and summary from the logs
     python train.py --out_dir=out --resume=True    # continue a run exactly where it stopped
     python train.py --compare --preset=arithmetic  # the arithmetic task (prepare_data.py --task=arithmetic
                                                    # --operands=5 first): accuracy vs FLOPs too
 
-Flags are nanoGPT's, written --key=value. A preset (cpu, the default; gpu; deep; arithmetic; arithmetic-gpu) sets
-the model size and schedule; flags given explicitly override it. Training FLOPs = 3 x model.flops_per_token(block_size)
-x tokens seen (2 FLOPs per multiply-add, attention over the full T x T square, see lime.py; on a task, padding too).
+Flags are nanoGPT's, written --key=value. A preset (cpu, the default; see PRESETS) sets the model size and
+schedule; flags given explicitly override it. Training FLOPs = 3 x model.flops_per_token(block_size) x tokens
+seen (2 FLOPs per multiply-add, attention over the full T x T square, see lime.py; on a task, padding too). An
+out_dir that holds a run is never overwritten: continue it with --resume=True, or delete it to start over.
 """
 
 import argparse
@@ -22,15 +23,17 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 
 import numpy as np
 import torch
 
-from common import fixed_val_batches, sample_batch, save_checkpoint, setup_device
+from common import (check_dataset, fixed_val_batches, load_weights, read_checkpoint, sample_batch, save_checkpoint,
+                    setup_device)
 from lime import GPT, GPTConfig
-from prepare_data import load_meta, load_rows, load_tokens, task_answer
+from prepare_data import atomic_file, load_meta, load_rows, load_tokens, task_answer
 
 # -----------------------------------------------------------------------------------------------------
 # config: nanoGPT flag names; None = filled in by the preset or derived (see resolve)
@@ -46,6 +49,8 @@ FLAGS = [  # name, type, default, help
     ("n_embd", int, None, "model width"),
     ("dropout", float, 0.0, "dropout rate"),
     ("lime", bool, False, "True: LIMe (mix keys/values of all earlier layers); False: baseline"),
+    ("fused_mix", bool, True, "LIMe's mix: True the fast shared-buffer path; False the plain formula, layer "
+                              "by layer (same numbers; slower, O(n_layer^2) memory: for reading and checking)"),
     ("max_iters", int, None, "optimizer steps"),
     ("eval_interval", int, None, "evaluate (and checkpoint) every this many steps, and at the end"),
     ("eval_iters", int, None, "fixed validation batches per evaluation"),
@@ -69,6 +74,8 @@ FLAGS = [  # name, type, default, help
     ("resume", bool, False, "continue the run in out_dir from its checkpoint"),
     ("compare", bool, False, "train baseline and LIMe into out_dir/{baseline,lime}, then plot and summarize"),
     ("seeds", int, 1, "with --compare: train each variant with seeds seed, seed+1, ..."),
+    ("depths", str, None, "with --compare: a depth sweep, e.g. 4,8,16: a --compare per n_layer into "
+                          "out_dir/depthL, then out_dir/loss_vs_depth.png"),
     ("plot", str, None, "DIR: redraw DIR/loss_vs_flops.png and DIR/summary.json from the logs, no training"),
     ("analyze", str, None, "DIR: run analyze.analyze_compare on a --compare folder, no training"),
     ("preset", str, "cpu", "cpu | gpu | deep | arithmetic | arithmetic-gpu, see PRESETS"),
@@ -82,10 +89,18 @@ PRESETS = {
     # eager LIMe at lower MFU takes longer. The quickstart data is far too small for it (~200 epochs: it overfits).
     "gpu": dict(n_layer=12, n_head=8, n_embd=512, block_size=512, batch_size=32, max_iters=5000,
                 eval_interval=250, eval_iters=40, log_interval=50, warmup_iters=200, learning_rate=1e-3),
-    # deep and narrow, where the mix is the largest share of the work (the shape bench.py measures).
-    # On 2 CPU cores: ~530 ms/iter baseline, ~920 LIMe, so a --compare takes ~25 min
-    "deep": dict(n_layer=24, n_head=4, n_embd=64, block_size=128, batch_size=32, max_iters=1000,
-                 eval_interval=100, eval_iters=10, log_interval=20, warmup_iters=50, learning_rate=2e-3),
+    # deep and narrow, where the mix is the largest share of the work (the shape bench.py measures). 480 iters
+    # of 4096 tokens: 1.96 passes over tiny Shakespeare's 1.0M training tokens (more would measure memorization)
+    "deep": dict(n_layer=24, n_head=4, n_embd=64, block_size=128, batch_size=32, max_iters=480,
+                 eval_interval=40, eval_iters=10, log_interval=20, warmup_iters=50, learning_rate=2e-3),
+    # depth sweep on a CPU (--compare runs it): the deep preset's width, schedule and tokens at 4, 8 and 16 layers
+    "depth": dict(depths="4,8,16", n_head=4, n_embd=64, block_size=128, batch_size=32, max_iters=480,
+                  eval_interval=40, eval_iters=10, log_interval=20, warmup_iters=50, learning_rate=2e-3),
+    # the paper's deep shape (width 256, 8 heads) at 32, 64 and 128 layers, for one GPU: 65.5M tokens per run, so
+    # it needs a corpus of >= 33M tokens (2 passes). 2.35e17 training FLOPs per seed for all six runs (GPT-2
+    # vocab; the 128-layer LIMe alone 7.2e16). Estimated, not measured: ~15 min per seed on an H100 at 30% MFU
+    "depth-gpu": dict(depths="32,64,128", n_head=8, n_embd=256, block_size=512, batch_size=32, max_iters=4000,
+                      eval_interval=250, eval_iters=40, log_interval=50, warmup_iters=200, learning_rate=1e-3),
     # the arithmetic task (prepare_data.py --task=arithmetic), the paper's model shape: 4 layers, 4 heads, width 32.
     # block_size comes from the dataset (its row length - 1). CPU: see the README for the measured times
     "arithmetic": dict(dataset="arithmetic5", n_layer=4, n_head=4, n_embd=32, batch_size=64, max_iters=2000,
@@ -97,15 +112,19 @@ PRESETS = {
                            lr_decay="linear", min_lr=0.0),
 }
 # taken from the command line even on --resume (how to run, not what to train)
-RUNTIME = {"out_dir", "device", "dtype", "compile", "resume", "compare", "seeds", "plot", "analyze", "preset"}
+RUNTIME = {"out_dir", "device", "dtype", "compile", "fused_mix", "resume", "compare", "seeds", "plot", "analyze",
+           "preset", "depths"}
 # on --resume these must match the checkpoint if given explicitly: the run would no longer be the same run
 RESUME_FIXED = ["dataset", "n_layer", "n_head", "n_embd", "block_size", "lime", "seed", "batch_size",
                 "gradient_accumulation_steps"]
+# what a checkpoint must hold to be resumed from
+RESUME_KEYS = ("model_args", "model", "optimizer", "iter_num", "best_val_loss", "config", "rng_cpu")
 
 
+MAX_PASSES = 2  # a run that sees its training tokens more often than this gets a warning (overfitting, not depth)
 MIN_VALUES = dict(batch_size=1, block_size=1, n_layer=1, n_head=1, n_embd=1, eval_interval=1, eval_iters=1,
                   log_interval=1, gradient_accumulation_steps=1, seeds=1, max_iters=0, warmup_iters=0,
-                  lr_decay_iters=0, min_lr=0, grad_clip=0, weight_decay=0, router_lr=0)
+                  lr_decay_iters=0, min_lr=0, grad_clip=0, weight_decay=0, router_lr=0, seed=0)
 
 
 def str2bool(s):
@@ -144,6 +163,11 @@ def get_config(argv=None):
 def resolve(cfg):
     """Fill in the derived defaults and check the numbers; returns a new dict."""
     cfg = dict(cfg)
+    for name, typ, _, _ in FLAGS:  # nan and inf parse as floats, and compare False with everything
+        if typ is float and cfg[name] is not None and not math.isfinite(cfg[name]):
+            raise ValueError(f"--{name} must be a finite number, got {cfg[name]}")
+    if not cfg["learning_rate"] > 0:  # before min_lr = learning_rate / 10 gets the blame
+        raise ValueError(f"--learning_rate must be > 0, got {cfg['learning_rate']}")
     cfg["out_dir"] = cfg["out_dir"] or ("out-compare" if cfg["compare"] else "out")
     cfg["lr_decay_iters"] = cfg["max_iters"] if cfg["lr_decay_iters"] is None else cfg["lr_decay_iters"]
     cfg["min_lr"] = cfg["learning_rate"] / 10 if cfg["min_lr"] is None else cfg["min_lr"]
@@ -154,9 +178,8 @@ def resolve(cfg):
             raise ValueError(f"--{k} must be at least {lo}, got {cfg[k]}")
     if cfg["lr_decay"] not in ("cosine", "linear"):
         raise ValueError(f"--lr_decay must be cosine or linear, got {cfg['lr_decay']!r}")
-    if not (cfg["learning_rate"] > 0 and 0 <= cfg["dropout"] < 1):
-        raise ValueError(f"need --learning_rate > 0 and 0 <= --dropout < 1, "
-                         f"got {cfg['learning_rate']} and {cfg['dropout']}")
+    if not 0 <= cfg["dropout"] < 1:
+        raise ValueError(f"need 0 <= --dropout < 1, got {cfg['dropout']}")
     return cfg
 
 
@@ -289,10 +312,12 @@ def log_test_accuracy(model, cfg, meta, ctx, log_path, iter_num):
     return acc
 
 
-def read_test_accuracy(path):
-    """The last {"test_accuracy", ...} record of a log.jsonl, or None."""
+def read_test_accuracy(path, at_iter=None):
+    """The last {"test_accuracy", ...} record of a log.jsonl (if at_iter is given: only one made at that
+    iteration), or None."""
     with open(path) as f:
         recs = [json.loads(line) for line in f if '"test_accuracy"' in line]
+    recs = [r for r in recs if at_iter is None or r["at_iter"] == at_iter]
     return recs[-1] if recs else None
 
 
@@ -328,11 +353,15 @@ def evaluate(model, batches, ctx, device):
 def resume_config(ckpt, cfg, explicit, path):
     """The checkpoint's config, with runtime flags and explicitly given flags from cfg. Raises ValueError
     naming the field if an explicit flag contradicts the checkpoint."""
+    missing = [k for k in RESUME_FIXED if not isinstance(ckpt["config"], dict) or k not in ckpt["config"]]
+    if missing:
+        raise ValueError(f"{path} is not a usable checkpoint: its config lacks {', '.join(missing)} (not written "
+                         f"by train.py?); restore it, or train a new run into a fresh --out_dir")
     for k in RESUME_FIXED:
         if k in explicit and cfg[k] != ckpt["config"][k]:
             raise ValueError(f"can't resume from {path}: {k} differs (checkpoint has {ckpt['config'][k]!r}, "
                              f"--{k}={cfg[k]!r}); drop --{k}, or train into a new --out_dir")
-    return {**ckpt["config"], **{k: v for k, v in cfg.items() if k in RUNTIME or k in explicit}}
+    return {**cfg, **ckpt["config"], **{k: v for k, v in cfg.items() if k in RUNTIME or k in explicit}}
 
 
 class NonFiniteLoss(ValueError):
@@ -341,6 +370,24 @@ class NonFiniteLoss(ValueError):
 
 def fmt_time(s):
     return f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+def run_files(out_dir):
+    """Which of ckpt.pt and log.jsonl out_dir holds: a run lives there if any."""
+    return [f for f in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(out_dir, f))]
+
+
+def make_out_dir(out_dir):
+    """Create out_dir and check that we can write in it, before any work is done (ValueError if not)."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"--out_dir={out_dir} is a file, not a folder; choose another --out_dir")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as e:
+        raise ValueError(f"can't write to --out_dir={out_dir} ({e.strerror or e}); choose a folder you can "
+                         f"write to") from None
 
 
 def train(cfg, explicit=()):
@@ -352,32 +399,40 @@ def train(cfg, explicit=()):
     if cfg["resume"]:
         if not os.path.exists(ckpt_path):
             hint = (f"for a comparison: python train.py --compare --resume=True --out_dir={out_dir}"
-                    if os.path.isdir(os.path.join(out_dir, "baseline")) else "drop --resume to start a new run")
+                    if os.path.isdir(os.path.join(out_dir, "baseline")) else
+                    f"its log.jsonl is of a run stopped before its first checkpoint: to start over, delete {out_dir}"
+                    if os.path.exists(log_path) else "drop --resume to start a new run")
             raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}; {hint}")
-        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        ckpt = read_checkpoint(ckpt_path, "cpu", RESUME_KEYS)
         cfg = resolve(resume_config(ckpt, cfg, explicit, ckpt_path))
+    elif run_files(out_dir):  # never replace a run's checkpoint and log without being asked
+        raise ValueError(f"{out_dir} already holds a run ({', '.join(run_files(out_dir))}); continue it with "
+                         f"--resume=True, or train into a new --out_dir (to start over, delete {out_dir} first)")
     meta, train_data, val_data = open_dataset(cfg)
     rows = isinstance(train_data, Rows)
     if rows:
         cfg = row_config(cfg, meta, explicit)
+    if ckpt is not None:  # the data must be the data it was trained on
+        check_dataset(ckpt, meta, os.path.join(cfg["data_dir"], cfg["dataset"]), ckpt_path)
     device, device_type, dtype, ctx, peak = setup_device(cfg["device"], cfg["dtype"])
+    make_out_dir(out_dir)
 
     torch.manual_seed(cfg["seed"])  # right before the model: same non-router init with and without LIMe
     model_args = asdict(GPTConfig(vocab_size=meta["vocab_size"], block_size=cfg["block_size"],
                                   n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"],
-                                  dropout=cfg["dropout"], lime=cfg["lime"]))
+                                  dropout=cfg["dropout"], lime=cfg["lime"], fused_mix=cfg["fused_mix"]))
     if ckpt is not None:
         for k, v in ckpt["model_args"].items():
-            if k != "dropout" and model_args[k] != v:  # e.g. the dataset was re-prepared with another vocab
+            if k not in ("dropout", "fused_mix") and model_args.get(k) != v:  # e.g. the data was re-prepared
                 raise ValueError(f"can't resume from {ckpt_path}: model {k} differs (checkpoint has {v!r}, "
-                                 f"now {model_args[k]!r})")
+                                 f"now {model_args.get(k)!r})")
     raw_model = GPT(GPTConfig(**model_args)).to(device)
     optimizer = raw_model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"],
                                                (cfg["beta1"], cfg["beta2"]), cfg["router_lr"], device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
     iter_num, best_val, last_saved = 0, math.inf, None
     if ckpt is not None:
-        raw_model.load_state_dict(ckpt["model"])
+        load_weights(raw_model, ckpt, ckpt_path)
         peaks = [(g["peak_lr"], g["weight_decay"]) for g in optimizer.param_groups]
         optimizer.load_state_dict(ckpt["optimizer"])
         for g, (peak_lr, wd) in zip(optimizer.param_groups, peaks):  # flags given now win
@@ -393,15 +448,24 @@ def train(cfg, explicit=()):
     T, B, accum, max_iters = cfg["block_size"], cfg["batch_size"], cfg["gradient_accumulation_steps"], cfg["max_iters"]
     tokens_per_iter = B * T * accum
     flops_per_iter = 3 * raw_model.flops_per_token(T) * tokens_per_iter  # training = 3 x forward
-    val_batches = fixed_row_batches(val_data, B, cfg["eval_iters"]) if rows else \
-        fixed_val_batches(val_data, T, B, cfg["eval_iters"])
+    if rows:  # passes = epochs: how often the run sees each training problem
+        passes = max_iters * B * accum / len(train_data)
+        val_batches = fixed_row_batches(val_data, B, cfg["eval_iters"])
+    else:
+        passes = max_iters * tokens_per_iter / len(train_data)  # how often the run sees each training token
+        val_batches = fixed_val_batches(val_data, T, B, cfg["eval_iters"])
     name = "LIMe" if cfg["lime"] else "baseline"
     print(f"{name}: {raw_model.get_num_params() / 1e6:.2f}M params | {flops_per_iter / tokens_per_iter / 1e6:.2f} "
           f"MFLOPs/token (train) | {tokens_per_iter:,} tokens/iter | {device} {dtype} | "
-          f"{cfg['data_dir']}/{cfg['dataset']} -> {out_dir}" + (f" | resuming at iter {iter_num}" if ckpt else ""))
+          f"{cfg['data_dir']}/{cfg['dataset']} -> {out_dir}" + (f" | resuming at iter {iter_num}" if ckpt else "")
+          + f"\n{name}: {max_iters} iters = {passes:.2f} passes over the {len(train_data):,} training "
+          + ("problems" if rows else "tokens"))
+    if passes > MAX_PASSES and not rows:  # (a task is scored on held-out problems; the paper trains 200 epochs)
+        print(f"warning: {passes:.1f} passes over the training data (more than {MAX_PASSES}): late val losses then "
+              f"measure memorization as much as learning; lower --max_iters or prepare more data")
 
     start_log(log_path, {"config": cfg, "model_args": model_args, "n_params": raw_model.get_num_params(),
-                         "flops_per_iter": flops_per_iter, "tokens_per_iter": tokens_per_iter},
+                         "flops_per_iter": flops_per_iter, "tokens_per_iter": tokens_per_iter, "passes": passes},
               keep_until=iter_num if ckpt is not None else None)
     log = open(log_path, "a")
 
@@ -463,7 +527,8 @@ def train(cfg, explicit=()):
                 values = torch.stack(losses).tolist()  # the one host-device sync per record
                 for i, v in enumerate(values):
                     if not math.isfinite(v):
-                        raise NonFiniteLoss(f"training loss is {v} at iteration {iter_num - len(values) + i}")
+                        # values[i] is the loss of the step that made iteration iter_num - len(values) + i + 1
+                        raise NonFiniteLoss(f"training loss is {v} at iteration {iter_num - len(values) + i + 1}")
                 dt = (time.time() - t_last) / len(values)
                 recent = recent[-4:] + [dt]
                 flops = iter_num * flops_per_iter
@@ -516,9 +581,8 @@ def start_log(path, header, keep_until=None):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     keep = [r for r in read_log(path) if r["iter"] <= keep_until] if keep_until is not None \
         and os.path.exists(path) else []
-    with open(path + ".tmp", "w") as f:
+    with atomic_file(path) as f:
         f.writelines(json.dumps(r) + "\n" for r in [header] + keep)
-    os.replace(path + ".tmp", path)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -579,7 +643,8 @@ def format_summary(s):
     """The summary as printed lines."""
     n, ratio = len(s["seeds"]), lambda r: "never" if r is None else f"{r:.2f}x"
     pm = lambda v: f"{s[v]['val_loss_mean']:.4f}" + (f" ± {s[v]['val_loss_std']:.4f}" if n > 1 else "")
-    lines = [f"final val loss, {n} seed{'s' if n > 1 else ''} ({', '.join(map(str, s['seeds']))})"
+    passes = f", {s['passes']:.2f} passes over the training tokens" if s.get("passes") else ""
+    lines = [f"final val loss, {n} seed{'s' if n > 1 else ''} ({', '.join(map(str, s['seeds']))}){passes}"
              + (", mean ± std:" if n > 1 else ":"),
              f"  baseline  {pm('baseline')}  after {s['baseline']['flops']:.3e} FLOPs",
              f"  LIMe      {pm('lime')}  after {s['lime']['flops']:.3e} FLOPs"]
@@ -595,26 +660,58 @@ def format_summary(s):
     return lines + ["  (linear interpolation between eval points)"]
 
 
+def read_summary(out_dir):
+    """OUT/summary.json as a dict (None if there is none); ValueError if it is not one train.py wrote."""
+    path = os.path.join(out_dir, "summary.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            s = json.load(f)
+        ok = isinstance(s, dict) and isinstance(s.get("seeds"), list) and all(type(x) is int for x in s["seeds"])
+    except (ValueError, UnicodeDecodeError):  # (json's decode error is a ValueError)
+        ok = False
+    if not ok:
+        raise ValueError(f"{path} is not a summary written by train.py; delete it (python train.py --plot "
+                         f"{out_dir} writes a new one from the logs)")
+    return s
+
+
 def find_runs(out_dir):
     """[(seed, baseline dir, lime dir)] of a --compare folder, limited to the seeds of its summary.json
     (if any; so leftovers of an older comparison with more seeds are not mixed in)."""
     names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    seeds = (read_summary(out_dir) or {}).get("seeds")
     runs = []
-    if "baseline" in names:
-        h = read_log(os.path.join(out_dir, "baseline", "log.jsonl"), header=True)
-        runs.append((h["config"]["seed"] if h else None, "baseline", "lime"))
+    if "baseline" in names:  # the first seed: its log's header says which (if damaged: the summary's first)
+        path = os.path.join(out_dir, "baseline", "log.jsonl")
+        h = read_log(path, header=True) if os.path.exists(path) else None
+        runs.append((h["config"]["seed"] if h else seeds[0] if seeds else None, "baseline", "lime"))
     runs += sorted((int(d[13:]), d, "lime" + d[8:]) for d in names
                    if d.startswith("baseline_seed") and d[13:].isdigit())  # d[13:]: S of baseline_seedS
-    if "summary.json" in names:
-        with open(os.path.join(out_dir, "summary.json")) as f:
-            seeds = json.load(f).get("seeds")
-        runs = [r for r in runs if seeds is None or r[0] in seeds]
+    if seeds is not None:
+        if runs and not any(r[0] in seeds for r in runs):
+            raise ValueError(f"{out_dir}/summary.json lists seeds {', '.join(map(str, seeds))}, but the runs in "
+                             f"{out_dir} are of seeds {', '.join(str(r[0]) for r in runs)}: it belongs to another "
+                             f"comparison; delete it to plot these runs")
+        runs = [r for r in runs if r[0] in seeds]
     runs = [(seed, os.path.join(out_dir, b), os.path.join(out_dir, l)) for seed, b, l in runs]
     missing = [d for r in runs for d in r[1:] if not os.path.exists(os.path.join(d, "log.jsonl"))]
     if not runs or missing:
         raise FileNotFoundError(f"no log at {missing[0] if missing else os.path.join(out_dir, 'baseline')}"
                                 f"/log.jsonl; make the runs with: python train.py --compare --out_dir={out_dir}")
     return runs
+
+
+def common_end(logs):
+    """logs: {run dir: records} -> (the last iteration evaluated in every run, each run's last evaluated
+    iteration as text). Runs cut short (still training, killed, a truncated log) are compared there."""
+    evals = {d: {r["iter"] for r in recs if r.get("val_loss") is not None} for d, recs in logs.items()}
+    ends = ", ".join(f"{os.path.basename(d)} at iter {max(e, default='none')}" for d, e in evals.items())
+    at = max(set.intersection(*evals.values()), default=0)
+    if at == 0:  # (iter 0 is the initial state: the same loss, no FLOPs spent)
+        raise ValueError(f"the runs have no evaluation in common past iter 0 yet ({ends}): nothing to compare")
+    return at, ends
 
 
 def smooth(y, k=5):
@@ -662,33 +759,52 @@ def plot_compare(path, baseline_runs, lime_runs, summary, title=""):
     axes[1].legend(handles[-k:], labels[-k:], fontsize=9, loc="upper right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=110)
-    os.replace(path + ".tmp.png", path)
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
 
 
 def report(out_dir):
-    """Draw OUT/loss_vs_flops.png, write OUT/summary.json and print the summary, from the logs alone."""
+    """Draw OUT/loss_vs_flops.png, write OUT/summary.json and print the summary, from the logs alone. Runs
+    that end at different iterations are all compared at the last one they all reached, and a summary that
+    compares them further than that is never replaced (ValueError)."""
     runs = find_runs(out_dir)
-    baseline_runs, lime_runs = [[read_log(os.path.join(r[i], "log.jsonl")) for r in runs] for i in (1, 2)]
-    summary = summarize([r[0] for r in runs], baseline_runs, lime_runs)
+    logs = {d: read_log(os.path.join(d, "log.jsonl")) for r in runs for d in r[1:]}
+    at, ends = common_end(logs)
+    cut = any(max(r["iter"] for r in recs) > at for recs in logs.values())
+    if cut:
+        print(f"note: the runs end at different iterations ({ends}); comparing them all at iter {at}, "
+              f"the last one they all reached")
+        logs = {d: [r for r in recs if r["iter"] <= at] for d, recs in logs.items()}
+    baseline_runs, lime_runs = [[logs[r[i]] for r in runs] for i in (1, 2)]
+    summary = dict(summarize([r[0] for r in runs], baseline_runs, lime_runs), iter=at)
+    old = read_summary(out_dir) or {}
+    prev = old["baseline"].get("flops") if isinstance(old.get("baseline"), dict) else None
+    if isinstance(prev, (int, float)) and summary["baseline"]["flops"] < prev:  # never a worse-informed figure
+        where = f"iter {old['iter']}" if "iter" in old else f"{prev:.3e} baseline FLOPs"
+        raise ValueError(f"not replacing {out_dir}/summary.json and loss_vs_flops.png: they compare the runs at "
+                         f"{where}, further than the logs now reach ({ends}). Let the runs finish (python train.py "
+                         f"--compare --resume=True --out_dir={out_dir}), or delete summary.json to plot them as "
+                         f"they are")
     h, title = read_log(os.path.join(runs[0][1], "log.jsonl"), header=True), ""
     if h:
-        c = h["config"]
+        c, summary["passes"] = h["config"], h.get("passes")
         title = (f"{c['dataset']}: n_layer={c['n_layer']}, n_embd={c['n_embd']}, n_head={c['n_head']}, block_size="
                  f"{c['block_size']}, batch_size={c['batch_size']}, {c['max_iters']} iters, lr={c['learning_rate']:g}, "
                  f"router_lr={c['router_lr']:g}; val loss on {c['eval_iters']} fixed batches")
+    if cut:
+        title += f"\ncompared at iter {at}, the last one all runs reached ({ends})"
     path = os.path.join(out_dir, "loss_vs_flops.png")
     plot_compare(path, baseline_runs, lime_runs, summary, title)
     lines = format_summary(summary)
     if any("accuracy" in r for r in baseline_runs[0]):  # a task: accuracy too (see plot_accuracy)
-        tests = {(v, seed): read_test_accuracy(os.path.join(d, "log.jsonl"))
+        tests = {(v, seed): read_test_accuracy(os.path.join(d, "log.jsonl"), at)
                  for seed, b, l in runs for v, d in (("baseline", b), ("lime", l))}
         summary["accuracy"] = summarize_accuracy([r[0] for r in runs], baseline_runs, lime_runs, tests)
         path += " and " + os.path.join(out_dir, "accuracy_vs_flops.png")
         plot_accuracy(os.path.join(out_dir, "accuracy_vs_flops.png"), baseline_runs, lime_runs, summary, title)
         lines += format_accuracy(summary["accuracy"], len(runs))
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+    with atomic_file(os.path.join(out_dir, "summary.json")) as f:
         json.dump(summary, f, indent=1)
     print("\n".join(lines) + f"\nwrote {path} and {os.path.join(out_dir, 'summary.json')}")
     return summary
@@ -782,20 +898,129 @@ def compare(cfg, explicit=()):
     out_dir, seeds = cfg["out_dir"], [cfg["seed"] + i for i in range(cfg["seeds"])]
     if "lime" in explicit:
         print("note: --compare trains both variants; --lime is ignored")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:  # marks which seeds belong to this comparison
-        json.dump(dict(seeds=seeds, status="training"), f)
+    dirs = [run_dir(out_dir, v, i, s) for i, s in enumerate(seeds) for v in ("baseline", "lime")]
+    found = [f for f in ("summary.json", "loss_vs_flops.png") if os.path.exists(os.path.join(out_dir, f))] + \
+        [os.path.basename(d) for d in dirs if run_files(d)]
+    if found and not cfg["resume"]:  # never replace a comparison's runs and results without being asked
+        raise ValueError(f"{out_dir} already holds a comparison ({', '.join(found)}); continue it with --compare "
+                         f"--resume=True, or use a new --out_dir (to start over, delete {out_dir} first)")
+    make_out_dir(out_dir)
+    if (read_summary(out_dir) or {}).get("seeds") != seeds:  # marks which seeds belong to this comparison
+        with atomic_file(os.path.join(out_dir, "summary.json")) as f:
+            json.dump(dict(seeds=seeds, status="training"), f)
     for i, seed in enumerate(seeds):
         for variant in ("baseline", "lime"):
             d = run_dir(out_dir, variant, i, seed)
             print(f"\n=== {variant}, seed {seed} ({i + 1}/{len(seeds)}) -> {d}")
             resume = cfg["resume"] and os.path.exists(os.path.join(d, "ckpt.pt"))
+            if cfg["resume"] and not resume and os.path.exists(os.path.join(d, "log.jsonl")):
+                print(f"note: {d} stopped before its first checkpoint; starting it over")
+                os.remove(os.path.join(d, "log.jsonl"))
             train(dict(cfg, lime=variant == "lime", seed=seed, out_dir=d, resume=resume, compare=False, seeds=1),
                   set(explicit) | {"lime", "seed"})
     print()
     summary = report(out_dir)
     run_analyze(out_dir, cfg["device"])
     return summary
+
+
+# -----------------------------------------------------------------------------------------------------
+# depth sweep: a --compare per depth into OUT/depthL, then final val loss against depth and FLOPs
+
+def parse_depths(s):
+    try:
+        depths = sorted({int(d) for d in s.split(",")})
+    except ValueError:
+        depths = []
+    if not depths or depths[0] < 1:
+        raise ValueError(f"--depths={s} is not a comma-separated list of layer counts >= 1, e.g. --depths=4,8,16")
+    return depths
+
+
+def sweep(cfg, explicit=()):
+    """--compare at every depth of --depths (same width, heads, tokens, schedule and seeds), into
+    OUT/depthL; then sweep_report(OUT). With --resume, finished runs are kept and the others continue."""
+    out_dir = cfg["out_dir"] or "out-depth"
+    for L in parse_depths(cfg["depths"]):
+        print(f"\n##### depth {L}")
+        compare(dict(cfg, n_layer=L, out_dir=os.path.join(out_dir, f"depth{L}"), depths=None),
+                set(explicit) | {"n_layer"})
+    return sweep_report(out_dir)
+
+
+def final_val(recs):
+    """(iter, val loss, FLOPs) of a log's last evaluation."""
+    r = [r for r in recs if r.get("val_loss") is not None][-1]
+    return r["iter"], r["val_loss"], r["flops"]
+
+
+def sweep_report(out_dir):
+    """OUT/sweep.json, OUT/loss_vs_depth.png and a printed summary, from the logs of OUT/depthL alone: per
+    depth and variant, every seed's final val loss, their mean, min and max, and the training FLOPs."""
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    depths = sorted(int(d[5:]) for d in names if d.startswith("depth") and d[5:].isdigit())
+    if not depths:
+        raise FileNotFoundError(f"no depth runs in {out_dir} (expected {out_dir}/depthL); make them with: "
+                                f"python train.py --compare --depths=4,8,16 --out_dir={out_dir}")
+    rows = []
+    for L in depths:
+        runs = find_runs(os.path.join(out_dir, f"depth{L}"))
+        row = dict(n_layer=L, seeds=[r[0] for r in runs])
+        for i, v in ((1, "baseline"), (2, "lime")):
+            ends = [final_val(read_log(os.path.join(r[i], "log.jsonl"))) for r in runs]
+            losses = [e[1] for e in ends]
+            row[v] = dict(iters=[e[0] for e in ends], val_loss=losses, mean=float(np.mean(losses)),
+                          min=min(losses), max=max(losses), flops=float(np.mean([e[2] for e in ends])))
+        rows.append(row)
+    lines = [f"final val loss by depth, mean over seeds (min-max); {out_dir}"]
+    for r in rows:
+        b, l = r["baseline"], r["lime"]
+        lines.append(f"  {r['n_layer']:>3} layers, {len(r['seeds'])} seed{'s' if len(r['seeds']) > 1 else ''}: "
+                     f"baseline {b['mean']:.4f} ({b['min']:.4f}-{b['max']:.4f}) {b['flops']:.2e} FLOPs | "
+                     f"LIMe {l['mean']:.4f} ({l['min']:.4f}-{l['max']:.4f}) {l['flops']:.2e} FLOPs | "
+                     f"LIMe - baseline {l['mean'] - b['mean']:+.4f}")
+    by_depth = {r["n_layer"]: r for r in rows}
+    for L in depths:  # the paper's question: LIMe at depth L against the baseline at 2L
+        if 2 * L in by_depth:
+            l, b = by_depth[L]["lime"], by_depth[2 * L]["baseline"]
+            lines.append(f"  LIMe at {L} layers {l['mean']:.4f} with {l['flops'] / b['flops']:.2f}x the FLOPs of the "
+                         f"baseline at {2 * L} layers {b['mean']:.4f}")
+    summary = dict(depths=depths, per_depth=rows)
+    with atomic_file(os.path.join(out_dir, "sweep.json")) as f:
+        json.dump(summary, f, indent=1)
+    path = os.path.join(out_dir, "loss_vs_depth.png")
+    plot_depths(path, rows)
+    print("\n".join(lines) + f"\nwrote {path} and {os.path.join(out_dir, 'sweep.json')}")
+    return summary
+
+
+def plot_depths(path, rows):
+    """Final val loss against depth (left) and against training FLOPs (right), both variants, mean with a
+    min-max band over seeds; written atomically to path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for v, color, label in (("baseline", "tab:blue", "baseline"), ("lime", "tab:red", "LIMe")):
+        depth = [r["n_layer"] for r in rows]
+        mean, lo, hi, flops = ([r[v][k] for r in rows] for k in ("mean", "min", "max", "flops"))
+        for ax, x in zip(axes, (depth, flops)):
+            ax.plot(x, mean, color=color, marker="o", lw=2, label=label)
+            if any(len(r["seeds"]) > 1 for r in rows):
+                ax.fill_between(x, lo, hi, color=color, alpha=0.2, lw=0, label=f"{label}, min-max over seeds")
+        for L, f, m in zip(depth, flops, mean):
+            axes[1].annotate(f"{L}", (f, m), textcoords="offset points", xytext=(4, 4), fontsize=8, color=color)
+    axes[0].set(xscale="log", xlabel="layers", ylabel="final val loss (nats/token)", title="final val loss vs depth")
+    axes[0].set_xticks(depth, [str(d) for d in depth])
+    axes[1].set(xscale="log", xlabel="training FLOPs", ylabel="final val loss (nats/token)",
+                title="final val loss vs training FLOPs (labels: layers)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
+    plt.close(fig)
 
 
 def run_analyze(out_dir, device="auto"):
@@ -808,12 +1033,15 @@ def run_analyze(out_dir, device="auto"):
 
 def main(argv=None):
     cfg, explicit = get_config(argv)
-    if cfg["plot"]:
-        return report(cfg["plot"])
+    if cfg["plot"]:  # a depth sweep's folder, or a comparison's
+        is_sweep = os.path.isdir(cfg["plot"]) and any(d.startswith("depth") for d in os.listdir(cfg["plot"]))
+        return sweep_report(cfg["plot"]) if is_sweep else report(cfg["plot"])
     if cfg["analyze"]:
         return run_analyze(cfg["analyze"], cfg["device"])
+    if cfg["depths"] and not cfg["compare"]:
+        raise ValueError("--depths is for --compare: python train.py --compare --depths=4,8,16")
     if cfg["compare"]:
-        return compare(cfg, explicit)
+        return sweep(cfg, explicit) if cfg["depths"] else compare(cfg, explicit)
     if cfg["seeds"] != 1:
         raise ValueError("--seeds is for --compare; a single run uses --seed")
     return train(cfg, explicit)
@@ -823,7 +1051,7 @@ if __name__ == "__main__":
     sys.stdout.reconfigure(line_buffering=True)  # progress reaches `python train.py ... > log` as it happens
     try:
         main()
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad input, or a file we can't read or write: one line, not a traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
