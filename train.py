@@ -643,7 +643,7 @@ def format_summary(s):
     """The summary as printed lines."""
     n, ratio = len(s["seeds"]), lambda r: "never" if r is None else f"{r:.2f}x"
     pm = lambda v: f"{s[v]['val_loss_mean']:.4f}" + (f" ± {s[v]['val_loss_std']:.4f}" if n > 1 else "")
-    passes = f", {s['passes']:.2f} passes over the training tokens" if s.get("passes") else ""
+    passes = f", {s['passes']:.2f} passes over the training data" if s.get("passes") else ""
     lines = [f"final val loss, {n} seed{'s' if n > 1 else ''} ({', '.join(map(str, s['seeds']))}){passes}"
              + (", mean ± std:" if n > 1 else ":"),
              f"  baseline  {pm('baseline')}  after {s['baseline']['flops']:.3e} FLOPs",
