@@ -78,7 +78,7 @@ FLAGS = [  # name, type, default, help
                           "out_dir/depthL, then out_dir/loss_vs_depth.png"),
     ("plot", str, None, "DIR: redraw DIR/loss_vs_flops.png and DIR/summary.json from the logs, no training"),
     ("analyze", str, None, "DIR: run analyze.analyze_compare on a --compare folder, no training"),
-    ("preset", str, "cpu", "cpu | gpu | deep | arithmetic | arithmetic-gpu, see PRESETS"),
+    ("preset", str, "cpu", "cpu | gpu | deep | depth | depth-gpu | arithmetic | arithmetic-gpu, see PRESETS"),
 ]
 PRESETS = {
     # quick start: both variants in about 4 min on 2 quiet CPU cores (measured: ~160 ms/iter baseline, ~210 LIMe)
