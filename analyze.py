@@ -35,7 +35,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from prepare_data import CharTokenizer, atomic_file, get_tokenizer, load_meta, load_tokens
+from prepare_data import CharTokenizer, atomic_file, get_tokenizer, load_meta, load_rows, load_tokens
 from common import check_dataset, fixed_val_batches, load_checkpoint, setup_device
 
 MAX_BATCHES, MAX_SEQUENCES = 8, 64  # plenty for a stable mean (it varies little across sequences), and
@@ -172,8 +172,12 @@ def val_inputs(ckpt, max_sequences=MAX_SEQUENCES, path="ckpt.pt"):
     data_dir = os.path.join(cfg["data_dir"], cfg["dataset"])
     meta = load_meta(data_dir)
     check_dataset(ckpt, meta, data_dir, path)
-    data = load_tokens(data_dir, "val", meta)
     n = min(cfg.get("eval_iters", MAX_BATCHES), MAX_BATCHES, math.ceil(max_sequences / cfg["batch_size"]))
+    if meta.get("layout") == "rows":  # a task: the first val problems, whole rows, as train.py evaluates
+        rows = load_rows(data_dir, "val", meta)  # them (the inputs: all but a row's last token)
+        B = cfg["batch_size"]
+        return [torch.from_numpy(rows[i:i + B, :-1].astype(np.int64)) for i in range(0, min(len(rows), n * B), B)]
+    data = load_tokens(data_dir, "val", meta)
     return [x for x, _ in fixed_val_batches(data, cfg["block_size"], cfg["batch_size"], n, seed=0)]
 
 # -----------------------------------------------------------------------------

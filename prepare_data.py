@@ -5,6 +5,7 @@ Turn a text corpus into data/<name>/{train.bin, val.bin, meta.json} for train.py
     python prepare_data.py --input=my.txt                   # your own UTF-8 text -> data/my/
     python prepare_data.py --input a.txt b.txt --name=ab    # several files, concatenated (or --input=a.txt --input=b.txt)
     python prepare_data.py --input=my.txt --tokenizer=gpt2  # GPT-2 BPE via tiktoken (needs its files once)
+    python prepare_data.py --task=arithmetic --operands=6   # synthetic task -> data/arithmetic6/ (see below)
 
 With no network the default falls back to a corpus every Python ships with: the reference docs
 in pydoc_data.topics (~465 KB of English prose), so the quick start works offline.
@@ -12,6 +13,10 @@ in pydoc_data.topics (~465 KB of English prose), so the quick start works offlin
 train.bin / val.bin are flat little-endian token ids (uint16 if the vocab fits, else uint32);
 val is the last --val_fraction of the tokens. meta.json holds everything needed to decode them
 (no pickle). train.py and sample.py use load_meta() and get_tokenizer() from here.
+
+--task=arithmetic writes a row dataset instead: train/val/test.bin hold one problem per row, padded to
+meta["row_length"] tokens ("layout": "rows" in meta.json, which also gives the pad, end and "=" ids);
+see the arithmetic task section below for the format.
 """
 
 import argparse
@@ -19,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -31,6 +37,7 @@ import uuid
 import numpy as np
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+DATASET_FILES = {"train.bin", "val.bin", "test.bin", "meta.json"}  # what a dataset folder may hold
 GPT2_URLS = ["https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
              "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json"]
 
@@ -143,6 +150,43 @@ def get_tokenizer(meta, encoding=None):
 def _write_bin(path, ids, dtype):
     np.asarray(ids).astype(np.dtype(dtype).newbyteorder("<")).tofile(path)
 
+def _write_dataset(out_dir, splits, meta):
+    """Write out_dir/{<split>.bin for each split, meta.json} atomically. splits: {name: token ids}."""
+    # write into a temp folder next to the target, meta.json last, then swap it in. A crash at any
+    # point leaves either the old dataset or a temp folder load_meta never looks at.
+    out_dir = os.path.normpath(out_dir)
+    name, parent = os.path.basename(out_dir), os.path.dirname(out_dir) or "."
+    if os.path.exists(out_dir) and not (os.path.isdir(out_dir) and set(os.listdir(out_dir)) <= DATASET_FILES):
+        raise ValueError(f"{out_dir} exists and holds more than a dataset; won't replace it")
+    if os.path.exists(out_dir) and not os.access(out_dir, os.W_OK | os.X_OK):  # we could swap it but not delete it
+        raise PermissionError(f"{out_dir} is read-only, so it can't be replaced (nothing was changed); make it "
+                              f"writable (chmod u+w {shlex.quote(out_dir)}) or prepare under another --name")
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{name}.tmp-")  # unique, created exclusively
+    old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())  # the permissions makedirs would have given it (mkdtemp's are 0o700)
+        for split, ids in splits.items():
+            _write_bin(os.path.join(tmp, f"{split}.bin"), ids, meta["dtype"])
+        with open(os.path.join(tmp, "meta.json"), "w") as f:  # one key per line, "chars" last
+            f.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in
+                                        sorted(meta.items(), key=lambda kv: kv[0] == "chars")) + "\n}\n")
+        if os.path.exists(out_dir):  # no atomic dir-over-dir rename on POSIX: move the old one aside
+            os.rename(out_dir, old)
+            try:
+                os.rename(tmp, out_dir)
+            except BaseException:
+                os.rename(old, out_dir)  # put the old one back
+                raise
+            try:  # the new dataset is in place: from here on, failing to clean up is not an error
+                shutil.rmtree(old)
+            except OSError as e:
+                print(f"note: could not delete the old copy {old} ({e.strerror}); delete it yourself")
+        else:
+            os.rename(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already if the rename happened
+
 def prepare(text, out_dir, tokenizer="char", val_fraction=0.1, source="text", encoding=None):
     """Tokenize text, write out_dir/{train.bin,val.bin,meta.json} atomically, return meta."""
     if not 0 < val_fraction < 1:
@@ -173,41 +217,7 @@ def prepare(text, out_dir, tokenizer="char", val_fraction=0.1, source="text", en
                          f"(need at least 2 each); give it more text")
     meta["train_tokens"], meta["val_tokens"] = n_train, n_val
 
-    # write into a temp folder next to the target, meta.json last, then swap it in. A crash at any
-    # point leaves either the old dataset or a temp folder load_meta never looks at.
-    out_dir = os.path.normpath(out_dir)
-    name, parent = os.path.basename(out_dir), os.path.dirname(out_dir) or "."
-    if os.path.exists(out_dir) and not (os.path.isdir(out_dir) and
-                                        set(os.listdir(out_dir)) <= {"train.bin", "val.bin", "meta.json"}):
-        raise ValueError(f"{out_dir} exists and holds more than a dataset; won't replace it")
-    if os.path.exists(out_dir) and not os.access(out_dir, os.W_OK | os.X_OK):  # we could swap it but not delete it
-        raise PermissionError(f"{out_dir} is read-only, so it can't be replaced (nothing was changed); make it "
-                              f"writable (chmod u+w {shlex.quote(out_dir)}) or prepare under another --name")
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{name}.tmp-")  # unique, created exclusively
-    old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
-    try:
-        os.chmod(tmp, 0o777 & ~_umask())  # the permissions makedirs would have given it (mkdtemp's are 0o700)
-        _write_bin(os.path.join(tmp, "train.bin"), ids[:n_train], meta["dtype"])
-        _write_bin(os.path.join(tmp, "val.bin"), ids[n_train:], meta["dtype"])
-        with open(os.path.join(tmp, "meta.json"), "w") as f:  # one key per line, "chars" last
-            f.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in
-                                        sorted(meta.items(), key=lambda kv: kv[0] == "chars")) + "\n}\n")
-        if os.path.exists(out_dir):  # no atomic dir-over-dir rename on POSIX: move the old one aside
-            os.rename(out_dir, old)
-            try:
-                os.rename(tmp, out_dir)
-            except BaseException:
-                os.rename(old, out_dir)  # put the old one back
-                raise
-            try:  # the new dataset is in place: from here on, failing to clean up is not an error
-                shutil.rmtree(old)
-            except OSError as e:
-                print(f"note: could not delete the old copy {old} ({e.strerror}); delete it yourself")
-        else:
-            os.rename(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already if the rename happened
+    _write_dataset(out_dir, {"train": ids[:n_train], "val": ids[n_train:]}, meta)
     return meta
 
 # -----------------------------------------------------------------------------
@@ -218,6 +228,8 @@ def _prepare_cmd(data_dir):
     data_dir = os.path.normpath(data_dir)
     name, parent = os.path.basename(data_dir), os.path.dirname(data_dir)
     cmd = "python prepare_data.py" if name == "quickstart" else \
+          f"python prepare_data.py --task=arithmetic --operands={name[10:]}".replace("_p", " --prime=") \
+          if re.fullmatch(r"arithmetic\d+(_p\d+)?", name) else \
           f"python prepare_data.py --input=YOUR_TEXT.txt --name={shlex.quote(name)}"
     return cmd if parent == "data" else f"{cmd} --data_dir={shlex.quote(parent or '.')}"
 
@@ -255,6 +267,205 @@ def load_tokens(data_dir, split, meta=None):
         raise ValueError(f"{data_dir}/{split}.bin holds token id {top}, but meta.json says vocab_size="
                          f"{meta['vocab_size']} (ids must be below it); re-run: {_prepare_cmd(data_dir)}")
     return data
+
+def load_rows(data_dir, split, meta):
+    """A row dataset's split (train, val or test) as a read-only (n_rows, row_length) memmap."""
+    path = os.path.join(data_dir, f"{split}.bin")
+    n, L = meta.get(f"{split}_rows"), meta["row_length"]
+    if not os.path.exists(path) or not isinstance(n, int) or os.path.getsize(path) != n * L * 2:
+        raise ValueError(f"{path} is missing or doesn't hold the {n} rows of {L} tokens meta.json says; "
+                         f"re-run: {_prepare_cmd(data_dir)}")
+    rows = np.memmap(path, dtype=np.dtype("uint16").newbyteorder("<"), mode="r", shape=(n, L))
+    if n and int(rows.max()) >= meta["vocab_size"]:  # as load_tokens: a wrong meta.json fails here
+        raise ValueError(f"{path} holds token id {int(rows.max())}, but meta.json says vocab_size="
+                         f"{meta['vocab_size']}; re-run: {_prepare_cmd(data_dir)}")
+    return rows
+
+# -----------------------------------------------------------------------------
+# the arithmetic task: expressions mod a prime p, each followed by its step-by-step solution
+#
+# A problem is one row of tokens, e.g. with p = 7 (the default):
+#     (3+5)/(6+4*3-2*1)=1/(6+4*3-2*1)=1/(6+5-2*1)=1/(6+5-2)=1/(4-2)=1/2=4.____
+# prompt = the expression and the first "=", then the solution: one operation per step, each step
+# followed by "=", the answer, the end token ".", and padding "_" up to the row length.
+# Numbers are single tokens whose id is their value (0..p-1, written 0-9 then A-Z: A = 10 for p > 10); a/b means
+# a * b^(p-2) mod p, the inverse of b in the field, so it is defined whenever b != 0.
+
+SYMBOLS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"  # how the numbers 0..35 are written
+OPS = "+-*/"
+PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
+END, PAD = ".", "_"
+STEP_RULE = ("each step does one operation: inside the leftmost innermost pair of parentheses (the whole "
+             "expression if there are none), the leftmost * or /, else the leftmost + or -; a pair of "
+             "parentheses left around a single number is dropped in the same step")
+
+def task_chars(p):
+    """The vocabulary: the numbers 0..p-1 (token id = value), + - * / ( ) =, the end token, the pad token."""
+    return list(SYMBOLS[:p]) + list(OPS + "()=") + [END, PAD]
+
+def apply_op(op, a, b, p):
+    if op == "/":
+        return a * pow(b, p - 2, p) % p  # Fermat: b^(p-2) is b's inverse mod p (b != 0)
+    return {"+": a + b, "-": a - b, "*": a * b}[op] % p
+
+def random_tree(n, p, rng):
+    """A random expression tree with n operands: an int (leaf) or (op, left, right). The left subtree
+    gets k operands, k uniform in 1..n-1; ops and operands uniform."""
+    if n == 1:
+        return int(rng.integers(p))
+    k = int(rng.integers(1, n))
+    return (OPS[int(rng.integers(4))], random_tree(k, p, rng), random_tree(n - k, p, rng))
+
+def tree_value(node, p):
+    """Value of a tree mod p, or None if it divides by 0 somewhere."""
+    if isinstance(node, int):
+        return node
+    op, a, b = node
+    a, b = tree_value(a, p), tree_value(b, p)
+    if a is None or b is None or (op == "/" and b == 0):
+        return None
+    return apply_op(op, a, b, p)
+
+def render(node):
+    """Tree -> tokens (ints and one-char strings), with the parentheses the tree needs under the usual
+    precedence and left-to-right evaluation: around a left child of lower precedence, and around a right
+    child of lower or equal precedence (so a-(b+c) keeps them, and so does a+(b+c): the rendering parses
+    back to the same tree)."""
+    if isinstance(node, int):
+        return [node]
+    op, a, b = node
+    left, right = render(a), render(b)
+    if not isinstance(a, int) and PREC[a[0]] < PREC[op]:
+        left = ["("] + left + [")"]
+    if not isinstance(b, int) and PREC[b[0]] <= PREC[op]:
+        right = ["("] + right + [")"]
+    return left + [op] + right
+
+def rewrite_once(toks, p):
+    """One solution step (see STEP_RULE) on a well-formed token list with at least one operation."""
+    close = next((i for i, t in enumerate(toks) if t == ")"), len(toks))  # the first ")" closes an innermost
+    open_ = max((i for i in range(close) if toks[i] == "("), default=-1)  # pair; -1: no parentheses at all
+    ops = range(open_ + 2, close, 2)  # the group toks[open_+1:close] is: number op number ... op number
+    k = next((i for i in ops if toks[i] in ("*", "/")), None)
+    k = k if k is not None else next(i for i in ops if toks[i] in ("+", "-"))
+    value = apply_op(toks[k], toks[k - 1], toks[k + 1], p)
+    if open_ >= 0 and close - open_ == 4:  # "(a op b)" -> "value", parentheses and all
+        return toks[:open_] + [value] + toks[close + 1:]
+    return toks[:k - 1] + [value] + toks[k + 2:]
+
+def solve(toks, p):
+    """The solution steps of an expression: [step 1, ..., [answer]], one operation each."""
+    steps = []
+    while len(toks) > 1:
+        toks = rewrite_once(toks, p)
+        steps.append(toks)
+    return steps
+
+def problem_tokens(expr, p):
+    """Expression tokens -> the whole problem: expr = step 1 = ... = answer END (still without padding)."""
+    out = list(expr)
+    for step in solve(expr, p):
+        out += ["="] + step
+    return out + [END]
+
+def encode_problem(toks, p):
+    ids = {c: i for i, c in enumerate(task_chars(p))}
+    return [t if isinstance(t, int) else ids[t] for t in toks]
+
+def problem_text(ids, p):
+    """Token ids -> the text of a problem (or of any part of one)."""
+    chars = task_chars(p)
+    return "".join(chars[int(i)] for i in ids)
+
+def parse_expression(text, p):
+    """A user's expression (e.g. "(3+4)*5", spaces allowed) -> tokens; ValueError if it isn't one."""
+    chars = {c: i for i, c in enumerate(task_chars(p))}
+    toks = []
+    for c in text.replace(" ", "").upper():
+        if c not in chars or c in (END, PAD, "="):
+            raise ValueError(f"{c!r} is not part of an expression mod {p} (numbers are single symbols "
+                             f"{SYMBOLS[0]}..{SYMBOLS[p - 1]}, operators + - * /, parentheses)")
+        toks.append(chars[c] if chars[c] < p else c)
+    # well-formed: numbers and operators alternate, parentheses balance and enclose a (sub)expression
+    depth, want_number = 0, True
+    for t in toks:
+        if want_number and t == "(":
+            depth += 1
+        elif want_number and isinstance(t, int):
+            want_number = False
+        elif not want_number and t == ")" and depth > 0:
+            depth -= 1
+        elif not want_number and t in PREC:
+            want_number = True
+        else:
+            raise ValueError(f"not a well-formed expression: {text!r} (e.g. two numbers in a row: one number "
+                             f"is one symbol, {SYMBOLS[0]}..{SYMBOLS[p - 1]})")
+    if want_number or depth or not toks:
+        raise ValueError(f"not a well-formed expression: {text!r}")
+    return toks
+
+def task_answer(ids, meta):
+    """The answer in a generated solution (token ids after the prompt): the single number between the
+    last "=" and the first end token. None when there is no end token or that part isn't one number."""
+    ids = [int(i) for i in ids]
+    if meta["end_id"] not in ids:
+        return None
+    ids = ids[:ids.index(meta["end_id"])]
+    last = ids[len(ids) - ids[::-1].index(meta["eq_id"]):] if meta["eq_id"] in ids else ids
+    return last[0] if len(last) == 1 and last[0] < meta["prime"] else None
+
+def make_problems(n_problems, operands, p, rng):
+    """n_problems distinct random expressions (no division by 0 anywhere: such draws are redrawn)."""
+    seen, problems, draws = set(), [], 0
+    while len(problems) < n_problems:
+        draws += 1
+        if draws > 20 * n_problems + 1000:
+            raise ValueError(f"found only {len(problems):,} distinct expressions with {operands} operands mod {p} "
+                             f"in {draws - 1:,} draws, {n_problems:,} asked for: ask for fewer problems, or use "
+                             f"more --operands or a larger --prime")
+        tree = random_tree(operands, p, rng)
+        expr = tuple(render(tree))
+        if tree_value(tree, p) is None or expr in seen:
+            continue
+        seen.add(expr)
+        problems.append(list(expr))
+    return problems
+
+def task_name(operands, prime):
+    """The default dataset folder: arithmetic6 for 6 operands mod 7 (the default prime), arithmetic6_p11 mod 11."""
+    return f"arithmetic{operands}" + ("" if prime == 7 else f"_p{prime}")
+
+def prepare_arithmetic(out_dir, operands=6, prime=7, train_size=50000, val_size=1000, test_size=1000, seed=1337):
+    """Write the arithmetic task to out_dir/{train,val,test}.bin + meta.json: one problem per row, padded
+    to the longest problem. The splits are disjoint: distinct expressions, the first test_size drawn go to
+    test, the next val_size to val, the rest to train."""
+    if not (2 <= prime <= len(SYMBOLS) and all(prime % d for d in range(2, prime))):
+        raise ValueError(f"--prime must be a prime between 2 and {len(SYMBOLS)}, got {prime}")
+    if operands < 2:
+        raise ValueError(f"--operands must be at least 2, got {operands}")
+    if min(train_size, val_size, test_size) < 1:
+        raise ValueError("--train_size, --val_size and --test_size must be at least 1")
+    rng = np.random.default_rng(seed)
+    exprs = make_problems(test_size + val_size + train_size, operands, prime, rng)
+    rows = [encode_problem(problem_tokens(e, prime), prime) for e in exprs]
+    chars = task_chars(prime)
+    row_length = max(map(len, rows))
+    pad = chars.index(PAD)
+    ids = np.full((len(rows), row_length), pad, dtype=np.int64)  # (n_problems, row_length)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = r
+    bounds = {"test": (0, test_size), "val": (test_size, test_size + val_size),
+              "train": (test_size + val_size, len(rows))}
+    meta = {"tokenizer": "char", "chars": chars, "vocab_size": len(chars), "dtype": "uint16",
+            "source": f"arithmetic task: {operands} operands mod {prime}, seed {seed}",
+            "task": "arithmetic", "operands": operands, "prime": prime, "seed": seed, "step_rule": STEP_RULE,
+            "layout": "rows", "row_length": row_length, "pad_id": pad, "end_id": chars.index(END),
+            "eq_id": chars.index("="), "loss_mask": "no loss on the prompt (up to and including the first '=') "
+            "nor on padding: train.py's targets are -1 there"}
+    for split, (a, b) in bounds.items():
+        meta[f"{split}_rows"], meta[f"{split}_tokens"] = b - a, (b - a) * row_length
+    _write_dataset(out_dir, {split: ids[a:b].ravel() for split, (a, b) in bounds.items()}, meta)
+    return meta
 
 # -----------------------------------------------------------------------------
 # where the text comes from
@@ -307,6 +518,21 @@ def read_inputs(paths):
         raise ValueError(f"no text in {', '.join(paths)} (empty)")
     return text
 
+def main_task(args):
+    if args.input:
+        raise ValueError("--task makes its own data: drop --input")
+    name = args.name if args.name is not None else task_name(args.operands, args.prime)
+    if not name or name.startswith(".") or "/" in name or os.sep in name:
+        raise ValueError(f"bad dataset name {name!r}: use a plain folder name, see --name")
+    out_dir = os.path.join(args.data_dir, name)
+    meta = prepare_arithmetic(out_dir, args.operands, args.prime, args.train_size, args.val_size, args.test_size,
+                              args.seed)
+    rows = load_rows(out_dir, "train", meta)
+    print(f"{out_dir}: {meta['source']} | vocab {meta['vocab_size']} | rows of {meta['row_length']} tokens | "
+          f"train {meta['train_rows']:,} / val {meta['val_rows']:,} / test {meta['test_rows']:,} problems\n"
+          f"e.g. {problem_text(rows[0], meta['prime'])}")
+    return meta
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description="corpus -> data/<name>/{train.bin,val.bin,meta.json}")
     parser.add_argument("--input", nargs="+", action="extend", metavar="FILE",
@@ -315,7 +541,18 @@ def main(argv=None):
     parser.add_argument("--data_dir", default="data", help="root folder of the datasets")
     parser.add_argument("--tokenizer", default="char", choices=["char", "gpt2"])
     parser.add_argument("--val_fraction", type=float, default=0.1, help="last fraction of the tokens used for validation")
+    task = parser.add_argument_group("synthetic task (instead of a corpus)")
+    task.add_argument("--task", choices=["arithmetic"], help="arithmetic: expressions mod a prime with "
+                      "step-by-step solutions, one problem per row -> data/arithmetic<operands>/")
+    task.add_argument("--operands", type=int, default=6, help="numbers per expression")
+    task.add_argument("--prime", type=int, default=7, help="the modulus p (numbers 0..p-1, one token each)")
+    task.add_argument("--train_size", type=int, default=50000, help="training problems")
+    task.add_argument("--val_size", type=int, default=1000, help="validation problems (val loss, accuracy during training)")
+    task.add_argument("--test_size", type=int, default=1000, help="test problems (final accuracy)")
+    task.add_argument("--seed", type=int, default=1337, help="the same seed gives the same files")
     args = parser.parse_args(argv)
+    if args.task:
+        return main_task(args)
     name = args.name if args.name is not None else \
         os.path.splitext(os.path.basename(args.input[0]))[0] if args.input else "quickstart"
     if not name or name.startswith(".") or "/" in name or os.sep in name:

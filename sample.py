@@ -3,6 +3,7 @@ Sample from a trained model (baseline or LIMe, any tokenizer prepare_data.py wri
 
     python sample.py --out_dir=out-compare/lime --start="ROMEO:" --num_samples=3 --max_new_tokens=300
     python sample.py --out_dir=out-compare/lime --start=FILE:prompt.txt --temperature=0.8 --top_k=200 --seed=1337
+    python sample.py --out_dir=out-arithmetic/lime --start="(3+4)*5="   # a task checkpoint: solve an expression
 
 stdout gets only the samples (prompt + continuation), separated by a line of dashes; notes and the
 speed (tokens/second) go to stderr, so `python sample.py ... > samples.txt` keeps just the text.
@@ -17,7 +18,7 @@ from contextlib import nullcontext
 
 import torch
 
-from prepare_data import get_tokenizer
+from prepare_data import encode_problem, get_tokenizer, parse_expression, problem_tokens, problem_text, task_answer
 from common import load_checkpoint, setup_device
 
 SEPARATOR = "---------------"
@@ -84,20 +85,43 @@ def sample(model, tok, ids, num_samples=1, max_new_tokens=100, temperature=0.8, 
     return texts, dt
 
 
+def solve_task(model, meta, text, ctx, temperature=0.0, top_k=None, seed=1337, num_samples=1):
+    """A task checkpoint (prepare_data.py --task=arithmetic): the model's solutions of the expression in
+    text (a trailing "=" optional), each up to its end token, and the true answer. -> (solutions, answer)."""
+    p = meta["prime"]
+    expr = parse_expression(text.strip().removesuffix("="), p)  # ValueError: not an expression mod p
+    ids = encode_problem(expr + ["="], p)
+    room = meta["row_length"] - len(ids)
+    if room < 2:
+        raise ValueError(f"the expression is {len(ids) - 1} tokens; this model's rows hold {meta['row_length']} "
+                         f"tokens, too few for it and a solution")
+    torch.manual_seed(seed)
+    x = torch.tensor(ids, device=next(model.parameters()).device).repeat(num_samples, 1)  # (num_samples, P)
+    with ctx:
+        y = model.generate(x, room, temperature=temperature, top_k=top_k)                 # (num_samples, row_length)
+    out = []
+    for row in y.tolist():
+        row = row[:row.index(meta["end_id"]) + 1] if meta["end_id"] in row[len(ids):] else row
+        out.append((problem_text(row, p), task_answer(row[len(ids):], meta)))
+    return out, problem_tokens(expr, p)[-2]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="sample text from a checkpoint (out_dir/ckpt.pt)")
     p.add_argument("--out_dir", default="out", help="folder holding ckpt.pt")
     p.add_argument("--start", default="\n", help='prompt, or FILE:path to read it from a file ("" = empty)')
-    p.add_argument("--num_samples", type=int, default=3)
-    p.add_argument("--max_new_tokens", type=int, default=300)
-    p.add_argument("--temperature", type=float, default=0.8, help="1.0 = as trained, < 1 = safer, 0 = greedy")
+    p.add_argument("--num_samples", type=int, default=None, help="[3; 1 for a task checkpoint]")
+    p.add_argument("--max_new_tokens", type=int, default=300, help="(a task checkpoint: the rest of a row)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="1.0 = as trained, < 1 = safer, 0 = greedy [0.8; 0 for a task checkpoint]")
     p.add_argument("--top_k", type=int, default=200, help="keep only the top_k most likely tokens (0 = all)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on cuda if supported, else float32), "
                                                    "float32, bfloat16, float16")
     args = p.parse_args(argv)
-    if args.num_samples < 1 or args.max_new_tokens < 0 or args.top_k < 0 or not 0 <= args.temperature < math.inf:
+    if (args.num_samples is not None and args.num_samples < 1) or args.max_new_tokens < 0 or args.top_k < 0 \
+            or (args.temperature is not None and not 0 <= args.temperature < math.inf):
         raise ValueError(f"need --num_samples >= 1, --max_new_tokens >= 0, --top_k >= 0 and a finite --temperature "
                          f">= 0, got {args.num_samples}, {args.max_new_tokens}, {args.top_k} and {args.temperature}")
 
@@ -105,6 +129,10 @@ def main(argv=None):
     model, ckpt = load_checkpoint(args.out_dir, device)
     if "meta" not in ckpt:
         raise ValueError(f"{args.out_dir}/ckpt.pt has no 'meta' (the dataset's meta.json), so it can't be decoded")
+    if ckpt["meta"].get("layout") == "rows":  # a task: the prompt is an expression, the output its solution
+        return main_task(args, model, ckpt, ctx)
+    args.num_samples = 3 if args.num_samples is None else args.num_samples
+    args.temperature = 0.8 if args.temperature is None else args.temperature
     tok = get_tokenizer(ckpt["meta"])
     prompt = read_prompt(args.start)
     ids = encode_prompt(tok, prompt, model.config.block_size)
@@ -120,6 +148,20 @@ def main(argv=None):
     n = args.num_samples * args.max_new_tokens
     print(f"{n} tokens in {dt:.2f} s: {n / max(dt, 1e-9):,.0f} tokens/s "
           f"(batch of {args.num_samples}, KV cache, {device})", file=sys.stderr)
+
+
+def main_task(args, model, ckpt, ctx):
+    """sample.py on a task checkpoint: stdout gets the solution(s), stderr whether the answer is right."""
+    temperature = 0.0 if args.temperature is None else args.temperature
+    solutions, answer = solve_task(model, ckpt["meta"], read_prompt(args.start), ctx, temperature,
+                                   args.top_k or None, args.seed, args.num_samples or 1)
+    for text, got in solutions:
+        print(text)
+        print(SEPARATOR, flush=True)  # before the stderr line below
+        symbols = ckpt["meta"]["chars"]
+        print(f"answer {'(none: no end token, or not one number)' if got is None else symbols[got]}, true answer "
+              f"{symbols[answer]}: {'right' if got == answer else 'wrong'}", file=sys.stderr)
+    return solutions
 
 
 if __name__ == "__main__":

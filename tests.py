@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+from contextlib import nullcontext
 from dataclasses import asdict
 
 import numpy as np
@@ -664,6 +665,102 @@ def test_data_cli_error_is_one_line(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+# prepare_data.py --task=arithmetic
+
+def _field_value(toks, p):
+    """Value mod p of an expression (a step of a solution), computed independently of the generator: Python
+    evaluates it over the rationals (Fractions, usual precedence), then maps the result into the field. Valid
+    because no divisor is 0 mod p, so no denominator is ever divisible by p."""
+    from fractions import Fraction
+    src = "".join(f"Fraction({t})" if isinstance(t, int) else t for t in toks)
+    v = eval(src, {"Fraction": Fraction})
+    return v.numerator * pow(v.denominator, p - 2, p) % p
+
+def _one_operation_apart(a, b):
+    """b is a with one 'x op y' replaced by a number (and the parentheses around it dropped if it's alone)."""
+    for k in range(1, len(a) - 1):
+        if a[k] in ("+", "-", "*", "/") and isinstance(a[k - 1], int) and isinstance(a[k + 1], int):
+            if b == a[:k - 1] + b[k - 1:k] + a[k + 2:] and isinstance(b[k - 1], int):
+                return True
+            if 0 < k - 1 and a[k - 2] == "(" and a[k + 2:k + 3] == [")"] and \
+                    b == a[:k - 2] + b[k - 2:k - 1] + a[k + 3:] and isinstance(b[k - 2], int):
+                return True
+    return False
+
+@pytest.mark.parametrize("operands, p", [(2, 11), (4, 11), (6, 11), (6, 7), (8, 13)])
+def test_task_every_step_is_a_correct_rewrite(operands, p):
+    rng = np.random.default_rng(operands)
+    for expr in prepare_data.make_problems(200, operands, p, rng):
+        toks = prepare_data.problem_tokens(expr, p)
+        assert toks[-1] == "." and "." not in toks[:-1]
+        steps, cur = [], []
+        for t in toks[:-1]:  # split at "="
+            if t == "=":
+                steps.append(cur)
+                cur = []
+            else:
+                cur.append(t)
+        steps.append(cur)
+        assert steps[0] == expr and len(steps) == operands  # the expression, then one step per operation
+        answer = _field_value(expr, p)
+        assert steps[-1] == [answer]
+        for a, b in zip(steps, steps[1:]):
+            assert _one_operation_apart(a, b), (a, b)
+            assert _field_value(b, p) == answer, (a, b)  # every step keeps the value
+        ids = prepare_data.encode_problem(toks, p)
+        assert ids[-2] == answer and prepare_data.task_answer(ids[len(expr) + 1:], dict(
+            end_id=p + 7, eq_id=p + 6, prime=p)) == answer
+
+def test_task_rewrite_rule_by_hand():
+    p = 11
+    text = lambda toks: prepare_data.problem_text(prepare_data.encode_problem(toks, p), p)
+    expr = prepare_data.parse_expression("(7+5)/(6+4*3-2*7)", p)
+    assert text(prepare_data.problem_tokens(expr, p)) == "(7+5)/(6+4*3-2*7)=1/(6+4*3-2*7)=1/(6+1-2*7)=1/(6+1-3)=1/(7-3)=1/4=3."
+    assert text(prepare_data.problem_tokens(prepare_data.parse_expression("8-3-2", p), p)) == "8-3-2=5-2=3."
+    assert text(prepare_data.problem_tokens(prepare_data.parse_expression("A/5*3", p), p)) == "A/5*3=2*3=6."
+    assert prepare_data.render(("-", 1, ("+", 2, 3))) == [1, "-", "(", 2, "+", 3, ")"]
+    for bad in ["3+", "(3+4", "3+4)", "34+1", "3+B", "", "3=4"]:
+        with pytest.raises(ValueError):
+            prepare_data.parse_expression(bad, p)
+
+def test_task_dataset_disjoint_deterministic(tmp_path):
+    kw = dict(operands=4, prime=11, train_size=300, val_size=40, test_size=50)
+    m1 = prepare_data.prepare_arithmetic(str(tmp_path / "a"), seed=3, **kw)
+    prepare_data.prepare_arithmetic(str(tmp_path / "b"), seed=3, **kw)
+    prepare_data.prepare_arithmetic(str(tmp_path / "c"), seed=4, **kw)
+    files = lambda d: {f: open(tmp_path / d / f, "rb").read() for f in sorted(os.listdir(tmp_path / d))}
+    assert files("a") == files("b") and files("a") != files("c")  # same seed, same bytes
+    assert sorted(files("a")) == ["meta.json", "test.bin", "train.bin", "val.bin"]
+    meta = load_meta(str(tmp_path / "a"))
+    assert meta == m1 and meta["layout"] == "rows" and meta["vocab_size"] == 20 and meta["chars"][:11] == list("0123456789A")
+    prompts = {}
+    for split, n in (("train", 300), ("val", 40), ("test", 50)):
+        rows = prepare_data.load_rows(str(tmp_path / "a"), split, meta)
+        assert rows.shape == (n, meta["row_length"]) and meta[f"{split}_rows"] == n
+        end = (rows == meta["end_id"]).argmax(1)
+        assert (rows == meta["end_id"]).sum(1).tolist() == [1] * n and (end == meta["row_length"] - 1).any()
+        for r, e in zip(rows, end):  # padding after the end token, and only there
+            assert (r[e + 1:] == meta["pad_id"]).all() and (r[:e] != meta["pad_id"]).all()
+        prompts[split] = {tuple(r[:list(r).index(meta["eq_id"])]) for r in rows}
+        assert len(prompts[split]) == n  # no repeats within a split
+    assert not prompts["test"] & prompts["train"] and not prompts["val"] & prompts["train"] and not prompts["test"] & prompts["val"]
+    with pytest.raises(ValueError, match="distinct expressions"):  # 2 operands mod 3: only 33 expressions exist
+        prepare_data.prepare_arithmetic(str(tmp_path / "d"), operands=2, prime=3, train_size=40, val_size=1, test_size=1)
+    with pytest.raises(ValueError, match="prime"):
+        prepare_data.main([f"--data_dir={tmp_path}", "--task=arithmetic", "--prime=12"])
+    assert not os.path.exists(tmp_path / "d") and not os.path.exists(tmp_path / "arithmetic6")
+
+def test_task_answer_metric_by_hand():
+    p, meta = 11, dict(end_id=18, eq_id=17, prime=11)
+    enc = lambda text: [prepare_data.task_chars(p).index(c) for c in text]
+    assert prepare_data.task_answer(enc("2*3=6.__"), meta) == 6            # right (whatever the steps)
+    assert prepare_data.task_answer(enc("6.____"), meta) == 6              # an answer straight away
+    assert prepare_data.task_answer(enc("2*3=7.__"), meta) == 7            # a wrong answer is still an answer
+    for unparseable in ["2*3=6", "2*3=6_", "2*3=.", "2*3=6+1.", "2*3=(6).", "2*3=67.", "."]:
+        assert prepare_data.task_answer(enc(unparseable), meta) is None, unparseable
+    assert prepare_data.task_answer(enc("2*3=6.=5."), meta) == 6           # the first end token ends it
+
+
 # ----------------------------------------------------------------------------- train.py: training, resume, logs, comparison
 
 TRAIN_TEXT = "".join(f"{i}: The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs!\n"
@@ -756,6 +853,87 @@ def test_train_lr_schedule():
     cfg = dict(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110)
     assert train.get_lr(0, cfg) == pytest.approx(1 / 11) and train.get_lr(10, cfg) == pytest.approx(1.0)
     assert train.get_lr(60, cfg) == pytest.approx(0.55) and train.get_lr(110, cfg) == train.get_lr(500, cfg) == 0.1
+
+
+def test_train_lr_linear_decay():
+    cfg = dict(learning_rate=1.0, min_lr=0.0, warmup_iters=0, lr_decay_iters=100, lr_decay="linear")
+    assert [train.get_lr(i, cfg) for i in (0, 25, 50, 100, 200)] == pytest.approx([1.0, 0.75, 0.5, 0.0, 0.0])
+
+
+# row datasets (the arithmetic task)
+
+@pytest.fixture(scope="module")
+def task_data(tmp_path_factory):
+    """A small arithmetic dataset (3 operands): (data_dir, meta)."""
+    d = tmp_path_factory.mktemp("task") / "data"
+    meta = prepare_data.prepare_arithmetic(str(d / "arith"), operands=3, train_size=300, val_size=30, test_size=20)
+    return d, meta
+
+
+def test_train_row_loss_mask(task_data):
+    d, meta = task_data
+    rows = np.array(prepare_data.load_rows(str(d / "arith"), "train", meta)[:4], dtype=np.int64)
+    x, y = train.row_xy(rows, meta)
+    assert x.shape == y.shape == (4, meta["row_length"] - 1) and torch.equal(x, torch.from_numpy(rows[:, :-1]))
+    eq = list(rows[0]).index(meta["eq_id"])
+    end = list(rows[0]).index(meta["end_id"])
+    assert (y[0, :eq] == -1).all() and torch.equal(y[0, eq:end], torch.from_numpy(rows[0, eq + 1:end + 1]))
+    assert (y[0, end:] == -1).all()  # padding: no loss
+    torch.manual_seed(0)
+    model = GPT(tiny_config(False, vocab_size=meta["vocab_size"], block_size=meta["row_length"] - 1))
+    loss = lambda r: model(x, train.row_xy(r, meta)[1])[1].item()  # the same inputs, the targets of rows r
+    for j in range(1, eq):  # a prompt token as a target (all but the "=", which marks where the solution starts)
+        r = rows.copy()
+        r[0, j] = (r[0, j] + 1) % meta["prime"]
+        assert loss(r) == loss(rows)
+    r = rows.copy()
+    r[0, eq + 1] = (r[0, eq + 1] + 1) % meta["prime"]  # the solution's first token: changes the loss
+    assert loss(r) != loss(rows)
+
+
+def test_train_row_batches_are_epochs(task_data):
+    d, meta = task_data
+    data = train.Rows(prepare_data.load_rows(str(d / "arith"), "train", meta), meta)
+    cfg = dict(seed=1, batch_size=7, gradient_accumulation_steps=2)
+    a, b = train.train_batches(data, cfg, 5), train.train_batches(data, cfg, 5)  # a pure function of (seed, iter)
+    assert len(a) == 2 and all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(a, b))
+    assert not torch.equal(a[0][0], train.train_batches(data, dict(cfg, seed=2), 5)[0][0])
+    assert sorted(train.row_stream(300, 1, 0, 300).tolist()) == list(range(300))  # each epoch: every row once
+    assert sorted(train.row_stream(300, 1, 290, 300).tolist()) == sorted(  # across an epoch boundary
+        train.row_stream(300, 1, 290, 10).tolist() + train.row_stream(300, 1, 300, 290).tolist())
+    assert train.row_stream(300, 1, 0, 300).tolist() != train.row_stream(300, 1, 300, 300).tolist()
+
+
+class _ScriptedModel(torch.nn.Module):
+    """Stands in for a GPT in answer_accuracy: 'generates' a hand-written continuation per prompt."""
+    def __init__(self, meta, replies):
+        super().__init__()
+        self.w, self.meta, self.replies = torch.nn.Parameter(torch.zeros(1)), meta, replies
+
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        chars = self.meta["chars"]
+        out = []
+        for row in idx.tolist():
+            reply = [chars.index(c) for c in self.replies[prepare_data.problem_text(row, self.meta["prime"])]]
+            out.append(row + (reply + [self.meta["pad_id"]] * max_new_tokens)[:max_new_tokens])
+        return torch.tensor(out)
+
+
+def test_train_answer_accuracy_on_scripted_outputs(task_data):
+    d, meta = task_data
+    data = train.Rows(prepare_data.load_rows(str(d / "arith"), "val", meta), meta)
+    replies, kinds = {}, []
+    for i, row in enumerate(data.rows[:12]):
+        text = prepare_data.problem_text(row, meta["prime"])
+        prompt, solution = text[:text.index("=") + 1], text[text.index("=") + 1:].rstrip("_")
+        answer = solution[-2]
+        wrong = meta["chars"][(meta["chars"].index(answer) + 1) % meta["prime"]]
+        kind = ["right", "right_skipping_steps", "wrong", "no_end", "garbage"][i % 5]
+        replies[prompt] = dict(right=solution, right_skipping_steps=answer + ".", wrong=solution[:-2] + wrong + ".",
+                               no_end=solution[:-1], garbage="+=" + answer + "+.")[kind]
+        kinds.append(kind)
+    acc = train.answer_accuracy(_ScriptedModel(meta, replies), train.Rows(data.rows[:12], meta), nullcontext())
+    assert acc == pytest.approx(sum(k.startswith("right") for k in kinds) / 12)  # 5 of 12
 
 
 def log(flops, val, train_loss=None):
@@ -1178,6 +1356,36 @@ def test_train_ddp_batch_must_split_evenly(tiny_data, tmp_path, monkeypatch):
         train.main(tiny_data("--gradient_accumulation_steps=3", f"--out_dir={tmp_path / 'o'}"))
 
 
+def test_train_task_compare_end_to_end(task_data, tmp_path, monkeypatch, capsys):
+    d, meta = task_data
+    analyzed = []
+    monkeypatch.setattr(train, "run_analyze", lambda out_dir, device="auto": analyzed.append(out_dir))
+    out = str(tmp_path / "cmp")
+    s = train.main([f"--data_dir={d}", "--dataset=arith", "--compare", "--preset=arithmetic", "--seeds=2",
+                    "--max_iters=4", "--eval_interval=2", "--log_interval=2", "--batch_size=8", "--eval_iters=2",
+                    "--warmup_iters=1", "--device=cpu", f"--out_dir={out}"])
+    assert sorted(os.listdir(out)) == ["accuracy_vs_flops.png", "baseline", "baseline_seed1338", "lime",
+                                       "lime_seed1338", "loss_vs_flops.png", "summary.json"] and analyzed == [out]
+    T = meta["row_length"] - 1
+    for v in ("baseline", "lime"):
+        model, ckpt = common.load_checkpoint(os.path.join(out, v))
+        assert ckpt["config"]["block_size"] == T and ckpt["model_args"]["n_embd"] == 32  # the preset's shape
+        recs = records(os.path.join(out, v))
+        evals = [r for r in recs if "val_loss" in r]
+        assert [r["iter"] for r in evals] == [0, 2, 4] and all(0 <= r["accuracy"] <= 1 for r in evals)
+        assert all(r["flops"] == 3 * model.flops_per_token(T) * r["iter"] * 8 * T for r in recs)  # padding counted
+        test = train.read_test_accuracy(os.path.join(out, v, "log.jsonl"))
+        assert test["test_problems"] == 20 and test["at_iter"] == 4 and 0 <= test["test_accuracy"] <= 1
+    a = s["accuracy"]
+    assert [p["seed"] for p in a["per_seed"]] == [1337, 1338]
+    assert a["lime_test_accuracy_mean"] == pytest.approx(np.mean([p["lime_test_accuracy"] for p in a["per_seed"]]))
+    printed = capsys.readouterr().out
+    assert "accuracy (greedy, final answer correct)" in printed and "test accuracy" in printed
+    with pytest.raises(ValueError, match="rows of .* drop --block_size"):
+        train.main([f"--data_dir={d}", "--dataset=arith", "--preset=arithmetic", "--block_size=16", "--max_iters=1",
+                    f"--out_dir={tmp_path / 'x'}", "--device=cpu"])
+
+
 # ----------------------------------------------------------------------------- sample.py
 
 SAMPLE_TEXT = "ROMEO: But soft, what light through yonder window breaks?\nJULIET: Ay me!\n" * 20
@@ -1299,6 +1507,24 @@ def test_sample_bpe_tokenizer_and_padded_vocab(capsys):
                               max_new_tokens=30, seed=0)
     assert len(texts) == 2 and all(isinstance(t, str) for t in texts) and dt > 0
     assert "dropped" in capsys.readouterr().err  # ids >= 258 can't be decoded: dropped, and said so
+
+
+def test_sample_task_checkpoint_solves_an_expression(task_data, tmp_path, capsys):
+    d, meta = task_data
+    out = str(tmp_path / "run")
+    train.main([f"--data_dir={d}", "--dataset=arith", "--preset=arithmetic", "--max_iters=2", "--eval_interval=2",
+                "--batch_size=4", "--eval_iters=1", "--warmup_iters=1", "--device=cpu", f"--out_dir={out}"])
+    capsys.readouterr()
+    solutions = sample.main([f"--out_dir={out}", "--start=(3+4)*5=", "--device=cpu"])
+    printed, err = capsys.readouterr()
+    (text, got), = solutions  # greedy, one solution by default
+    assert printed == text + "\n" + sample.SEPARATOR + "\n" and text.startswith("(3+4)*5=")
+    assert len(text) <= meta["row_length"] and "_" not in text
+    assert "true answer 0:" in err and ("right" in err) == (got == 0)  # (3+4)*5 = 0*5 mod 7
+    with pytest.raises(ValueError, match="not a well-formed expression"):
+        sample.main([f"--out_dir={out}", "--start=3+45", "--device=cpu"])
+    with pytest.raises(ValueError, match="too few"):
+        sample.main([f"--out_dir={out}", "--start=" + "+".join("1" * 20), "--device=cpu"])
 
 
 # ----------------------------------------------------------------------------- analyze.py: router maps and value entropy

@@ -8,13 +8,15 @@ Train a GPT with or without LIMe, or both on identical data, and compare loss ag
     python train.py --compare --preset=gpu --out_dir=out-gpu  # bigger model for one GPU; --preset=deep: 24 narrow layers
     python train.py --plot out-compare             # redraw the figure and summary from the logs
     python train.py --out_dir=out --resume=True    # continue a run exactly where it stopped
+    python train.py --compare --preset=arithmetic  # the arithmetic task (prepare_data.py --task=arithmetic
+                                                   # --operands=5 first): accuracy vs FLOPs too
     torchrun --standalone --nproc_per_node=8 train.py --preset=gpu --batch_size=4 --gradient_accumulation_steps=8
                                                    # 8 GPUs (DistributedDataParallel), the gpu preset's batch
 
-Flags are nanoGPT's, written --key=value. A preset (cpu, the default; gpu; deep) sets the model size and
+Flags are nanoGPT's, written --key=value. A preset (cpu, the default; see PRESETS) sets the model size and
 schedule; flags given explicitly override it. Training FLOPs = 3 x model.flops_per_token(block_size) x tokens
-seen (2 FLOPs per multiply-add, attention over the full T x T square, see lime.py). An out_dir that holds a
-run is never overwritten: continue it with --resume=True, or delete it to start over.
+seen (2 FLOPs per multiply-add, attention over the full T x T square, see lime.py; on a task, padding too). An
+out_dir that holds a run is never overwritten: continue it with --resume=True, or delete it to start over.
 
 Under torchrun the flags still describe the whole run: one optimizer step is gradient_accumulation_steps
 micro-batches of batch_size sequences in total, split evenly over the processes (so it must be divisible by
@@ -42,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common import (check_dataset, fixed_val_batches, load_weights, read_checkpoint, sample_batch, save_checkpoint,
                     setup_device)
 from lime import GPT, GPTConfig
-from prepare_data import atomic_file, load_meta, load_tokens
+from prepare_data import atomic_file, load_meta, load_rows, load_tokens, task_answer
 
 # -----------------------------------------------------------------------------------------------------
 # config: nanoGPT flag names; None = filled in by the preset or derived (see resolve)
@@ -70,7 +72,8 @@ FLAGS = [  # name, type, default, help
     ("beta1", float, 0.9, "AdamW beta1"),
     ("beta2", float, 0.95, "AdamW beta2"),
     ("warmup_iters", int, None, "linear warmup steps"),
-    ("lr_decay_iters", int, None, "cosine decay ends here (default: max_iters)"),
+    ("lr_decay_iters", int, None, "the decay ends here (default: max_iters)"),
+    ("lr_decay", str, "cosine", "cosine | linear: the shape of the decay from learning_rate to min_lr"),
     ("min_lr", float, None, "lr at the end of the decay (default: learning_rate / 10)"),
     ("grad_clip", float, 1.0, "clip the gradient norm to this (0 = off)"),
     ("gradient_accumulation_steps", int, 1, "micro-batches per optimizer step, over all processes (under "
@@ -88,7 +91,7 @@ FLAGS = [  # name, type, default, help
                           "out_dir/depthL, then out_dir/loss_vs_depth.png"),
     ("plot", str, None, "DIR: redraw DIR/loss_vs_flops.png and DIR/summary.json from the logs, no training"),
     ("analyze", str, None, "DIR: run analyze.analyze_compare on a --compare folder, no training"),
-    ("preset", str, "cpu", "cpu | gpu | deep, see PRESETS"),
+    ("preset", str, "cpu", "cpu | gpu | deep | depth | depth-gpu | arithmetic | arithmetic-gpu, see PRESETS"),
 ]
 PRESETS = {
     # quick start: both variants in about 4 min on 2 quiet CPU cores (measured: ~160 ms/iter baseline, ~210 LIMe)
@@ -111,6 +114,15 @@ PRESETS = {
     # vocab; the 128-layer LIMe alone 7.2e16). Estimated, not measured: ~15 min per seed on an H100 at 30% MFU
     "depth-gpu": dict(depths="32,64,128", n_head=8, n_embd=256, block_size=512, batch_size=32, max_iters=4000,
                       eval_interval=250, eval_iters=40, log_interval=50, warmup_iters=200, learning_rate=1e-3),
+    # the arithmetic task (prepare_data.py --task=arithmetic), the paper's model shape: 4 layers, 4 heads, width 32.
+    # block_size comes from the dataset (its row length - 1). CPU: see the README for the measured times
+    "arithmetic": dict(dataset="arithmetic5", n_layer=4, n_head=4, n_embd=32, batch_size=64, max_iters=2000,
+                       eval_interval=250, eval_iters=8, log_interval=50, warmup_iters=100, learning_rate=3e-3),
+    # the paper's schedule: 200 epochs of the 50,000 training problems, lr 1e-3 decaying linearly (to 0). Batch
+    # size 256 is our choice (195.3 steps per epoch, 39,063 steps). Not run here
+    "arithmetic-gpu": dict(dataset="arithmetic6", n_layer=4, n_head=4, n_embd=32, batch_size=256, max_iters=39063,
+                           eval_interval=1000, eval_iters=8, log_interval=100, warmup_iters=0, learning_rate=1e-3,
+                           lr_decay="linear", min_lr=0.0),
 }
 # taken from the command line even on --resume (how to run, not what to train)
 RUNTIME = {"out_dir", "device", "dtype", "compile", "fused_mix", "resume", "compare", "seeds", "plot", "analyze",
@@ -173,8 +185,12 @@ def resolve(cfg):
     cfg["lr_decay_iters"] = cfg["max_iters"] if cfg["lr_decay_iters"] is None else cfg["lr_decay_iters"]
     cfg["min_lr"] = cfg["learning_rate"] / 10 if cfg["min_lr"] is None else cfg["min_lr"]
     for k, lo in MIN_VALUES.items():
+        if k == "block_size" and cfg[k] is None:  # a row dataset's row length sets it (see row_config)
+            continue
         if cfg[k] < lo:
             raise ValueError(f"--{k} must be at least {lo}, got {cfg[k]}")
+    if cfg["lr_decay"] not in ("cosine", "linear"):
+        raise ValueError(f"--lr_decay must be cosine or linear, got {cfg['lr_decay']!r}")
     if not 0 <= cfg["dropout"] < 1:
         raise ValueError(f"need 0 <= --dropout < 1, got {cfg['dropout']}")
     return cfg
@@ -186,21 +202,136 @@ def resolve(cfg):
 def train_batches(data, cfg, it):
     """The gradient_accumulation_steps micro-batches of step `it`. A function of (seed, it) alone, so the
     baseline and LIMe see identical batches and a resumed run needs no data RNG state."""
+    if isinstance(data, Rows):
+        return row_batches(data, cfg, it)
     rng = np.random.default_rng([cfg["seed"], it])
     return [sample_batch(data, cfg["block_size"], cfg["batch_size"], rng)
             for _ in range(cfg["gradient_accumulation_steps"])]
 
 
 def open_dataset(cfg):
-    """-> (meta, train memmap, val memmap), with errors that say how to fix them."""
+    """-> (meta, train memmap, val memmap), with errors that say how to fix them. For a row dataset
+    (prepare_data.py --task=...) the splits are Rows."""
     path = os.path.join(cfg["data_dir"], cfg["dataset"])
     meta = load_meta(path)  # FileNotFoundError with the prepare_data.py command that makes it
+    if meta.get("layout") == "rows":
+        return meta, *[Rows(load_rows(path, s, meta), meta) for s in ("train", "val")]
+    if cfg["block_size"] is None:
+        raise ValueError(f"{path} is a text dataset: give it a --block_size")
     splits = [load_tokens(path, s, meta) for s in ("train", "val")]
     for split, data in zip(("train", "val"), splits):
         if len(data) <= cfg["block_size"]:
             raise ValueError(f"block_size={cfg['block_size']} is too large for {path}: its {split} split has only "
                              f"{len(data)} tokens (needs block_size + 1); use a smaller --block_size or more text")
     return meta, *splits
+
+
+# -----------------------------------------------------------------------------------------------------
+# row datasets (synthetic tasks, prepare_data.py --task=arithmetic): one problem per row, padded to
+# meta["row_length"]. The model reads a row's first row_length - 1 tokens (so block_size = row_length - 1)
+# and learns the solution only: targets are -1 (ignored by the loss) on the prompt and on the padding.
+# FLOPs are counted as for text, over all block_size positions, padding included (the model computes them).
+
+ACCURACY_PROBLEMS = 500  # accuracy at every evaluation: greedy solutions of the first this many val problems
+
+
+class Rows:
+    """One split of a row dataset: rows, a (n_rows, row_length) array, and the dataset's meta."""
+
+    def __init__(self, rows, meta):
+        self.rows, self.meta = rows, meta
+
+    def __len__(self):
+        return len(self.rows)
+
+
+def row_config(cfg, meta, explicit=()):
+    """cfg with block_size = row_length - 1; an explicit --block_size that differs is an error."""
+    T = meta["row_length"] - 1
+    if "block_size" in explicit and cfg["block_size"] != T:
+        raise ValueError(f"--block_size={cfg['block_size']}, but {cfg['dataset']} has rows of {T + 1} tokens, "
+                         f"so block_size is {T}: drop --block_size")
+    return dict(cfg, block_size=T)
+
+
+def row_xy(rows, meta):
+    """rows (B, row_length) -> (x, y) int64 tensors of shape (B, row_length - 1): y is x shifted by one,
+    with -1 where y is part of the prompt (up to and including the first "=") or padding."""
+    r = torch.from_numpy(np.asarray(rows, dtype=np.int64))      # (B, L)
+    x, y = r[:, :-1].clone(), r[:, 1:].clone()                   # (B, L-1) each
+    eq = (r == meta["eq_id"]).int().argmax(1)                    # (B,) position of the first "="
+    prompt = torch.arange(y.shape[1])[None, :] < eq[:, None]     # y[:, j] is token j+1: prompt if j+1 <= eq
+    y[prompt | (y == meta["pad_id"])] = -1
+    return x, y
+
+
+def row_stream(n_rows, seed, start, count):
+    """Indices start .. start+count-1 of the training stream: epoch after epoch through the rows, each
+    epoch in its own order (a permutation drawn from (seed, epoch)). A pure function, like train_batches."""
+    k = np.arange(start, start + count)
+    epoch, out = k // n_rows, np.empty(count, dtype=np.int64)
+    for e in np.unique(epoch):
+        out[epoch == e] = np.random.default_rng([seed, int(e)]).permutation(n_rows)[k[epoch == e] % n_rows]
+    return out
+
+
+def row_batches(data, cfg, it):
+    """Step it's micro-batches of a row dataset: the next batch_size x gradient_accumulation_steps rows."""
+    B, accum = cfg["batch_size"], cfg["gradient_accumulation_steps"]
+    idx = row_stream(len(data), cfg["seed"], it * B * accum, B * accum).reshape(accum, B)  # (accum, B)
+    return [row_xy(data.rows[i], data.meta) for i in idx]
+
+
+def fixed_row_batches(data, batch_size, n_batches):
+    """The val loss batches of a row dataset: its first n_batches x batch_size rows (all if fewer), in order.
+    evaluate() averages the batches' mean losses (their numbers of solution tokens differ a little)."""
+    n = min(len(data), n_batches * batch_size)
+    return [row_xy(data.rows[i:min(i + batch_size, n)], data.meta) for i in range(0, n, batch_size)]
+
+
+@torch.no_grad()
+def answer_accuracy(model, data, ctx, n=None, batch_size=512):
+    """Share of the first n problems of data (all if None) that the model solves: greedy generation from
+    the prompt (up to the first "="), scored by prepare_data.task_answer (the single number between the
+    last "=" and the end token) against the true answer. The model has no left-padding, so prompts are
+    generated in groups of equal length, each for up to the rest of a row."""
+    meta = data.meta
+    rows = np.asarray(data.rows[:n], dtype=np.int64)             # (n, L)
+    P = (rows == meta["eq_id"]).argmax(1) + 1                    # (n,) prompt lengths
+    answers = rows[np.arange(len(rows)), (rows == meta["end_id"]).argmax(1) - 1]  # the token before the end
+    device, was_training = next(model.parameters()).device, model.training
+    model.eval()
+    correct = 0
+    for p in np.unique(P):
+        group = np.flatnonzero(P == p)
+        for i in range(0, len(group), batch_size):
+            idx = group[i:i + batch_size]
+            x = torch.from_numpy(rows[idx, :p]).to(device)       # (b, p)
+            with ctx:
+                out = model.generate(x, meta["row_length"] - p, temperature=0)  # (b, row_length)
+            correct += sum(task_answer(o[p:], meta) == a for o, a in zip(out.tolist(), answers[idx].tolist()))
+    model.train(was_training)
+    return correct / len(rows)
+
+
+def log_test_accuracy(model, cfg, meta, ctx, log_path, iter_num):
+    """Accuracy on the whole test split, appended to the log as {"test_accuracy", "test_problems",
+    "at_iter"} (no "iter" key: the curves skip it); printed, and returned."""
+    test = Rows(load_rows(os.path.join(cfg["data_dir"], cfg["dataset"]), "test", meta), meta)
+    acc = answer_accuracy(model, test, ctx)
+    with open(log_path, "a") as f:
+        f.write(json.dumps(dict(test_accuracy=acc, test_problems=len(test), at_iter=iter_num)) + "\n")
+    print(f"test accuracy {acc:.1%} ({len(test)} problems, greedy, iter {iter_num})")
+    return acc
+
+
+def read_test_accuracy(path, at_iter=None):
+    """The last {"test_accuracy", ...} record of a log.jsonl (if at_iter is given: only one made at that
+    iteration), or None."""
+    with open(path) as f:
+        recs = [json.loads(line) for line in f if '"test_accuracy"' in line]
+    recs = [r for r in recs if at_iter is None or r["at_iter"] == at_iter]
+    return recs[-1] if recs else None
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -252,13 +383,16 @@ def from_rank0(x, device):
 # training
 
 def get_lr(it, cfg):
-    """Linear warmup to learning_rate, cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    """Linear warmup to learning_rate, cosine (or, with lr_decay=linear, linear) decay to min_lr at
+    lr_decay_iters, then min_lr."""
     lr, min_lr, warmup, decay = cfg["learning_rate"], cfg["min_lr"], cfg["warmup_iters"], cfg["lr_decay_iters"]
     if it < warmup:
         return lr * (it + 1) / (warmup + 1)
     if it >= decay:
         return min_lr
     ratio = (it - warmup) / (decay - warmup)
+    if cfg.get("lr_decay", "cosine") == "linear":  # (.get: checkpoints from before the flag existed)
+        return lr - ratio * (lr - min_lr)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
 
 
@@ -339,6 +473,9 @@ def train(cfg, explicit=()):
                          f"the {world} processes: it counts the micro-batches of one step over all of them "
                          f"(same global batch: multiply it by k and divide --batch_size by k)")
     meta, train_data, val_data = open_dataset(cfg)
+    rows = isinstance(train_data, Rows)
+    if rows:
+        cfg = row_config(cfg, meta, explicit)
     if ckpt is not None:  # the data must be the data it was trained on
         check_dataset(ckpt, meta, os.path.join(cfg["data_dir"], cfg["dataset"]), ckpt_path)
     device, device_type, dtype, ctx, peak = setup_device(cfg["device"], cfg["dtype"])
@@ -382,15 +519,20 @@ def train(cfg, explicit=()):
     k = accum // world  # micro-batches per step on this rank
     tokens_per_iter = B * T * accum  # all ranks together, as are the logged tokens and FLOPs
     flops_per_iter = 3 * raw_model.flops_per_token(T) * tokens_per_iter  # training = 3 x forward
-    passes = max_iters * tokens_per_iter / len(train_data)  # how often the run sees each training token
-    val_batches = fixed_val_batches(val_data, T, B, cfg["eval_iters"])
+    if rows:  # passes = epochs: how often the run sees each training problem
+        passes = max_iters * B * accum / len(train_data)
+        val_batches = fixed_row_batches(val_data, B, cfg["eval_iters"])
+    else:
+        passes = max_iters * tokens_per_iter / len(train_data)  # how often the run sees each training token
+        val_batches = fixed_val_batches(val_data, T, B, cfg["eval_iters"])
     name = "LIMe" if cfg["lime"] else "baseline"
     print(f"{name}: {raw_model.get_num_params() / 1e6:.2f}M params | {flops_per_iter / tokens_per_iter / 1e6:.2f} "
           f"MFLOPs/token (train) | {tokens_per_iter:,} tokens/iter | {device} {dtype} | "
           f"{cfg['data_dir']}/{cfg['dataset']} -> {out_dir}" + (f" | {world} processes" if world > 1 else "")
           + (f" | resuming at iter {iter_num}" if ckpt else "")
-          + f"\n{name}: {max_iters} iters = {passes:.2f} passes over the {len(train_data):,} training tokens")
-    if passes > MAX_PASSES:
+          + f"\n{name}: {max_iters} iters = {passes:.2f} passes over the {len(train_data):,} training "
+          + ("problems" if rows else "tokens"))
+    if passes > MAX_PASSES and not rows:  # (a task is scored on held-out problems; the paper trains 200 epochs)
         print(f"warning: {passes:.1f} passes over the training data (more than {MAX_PASSES}): late val losses then "
               f"measure memorization as much as learning; lower --max_iters or prepare more data")
 
@@ -408,6 +550,9 @@ def train(cfg, explicit=()):
             rec["val_loss"] = from_rank0(evaluate(model, val_batches, ctx, device) if master else 0.0, device)
             if not math.isfinite(rec["val_loss"]):
                 raise NonFiniteLoss(f"val loss is {rec['val_loss']} at iteration {iter_num}")
+            if rows:  # the task's score: greedy solutions of the first ACCURACY_PROBLEMS val problems
+                rec["accuracy"] = from_rank0(answer_accuracy(raw_model, val_data, ctx, ACCURACY_PROBLEMS)
+                                             if master else 0.0, device)
         if master:
             log.write(json.dumps(rec) + "\n")
             log.flush()
@@ -425,6 +570,7 @@ def train(cfg, explicit=()):
                                     out_dir)
                 last_saved = iter_num
             print(f"iter {iter_num}: val loss {rec['val_loss']:.4f} (best {best_val:.4f})"
+                  + (f" | accuracy {rec['accuracy']:.1%}" if rows else "")
                   + (" | checkpoint saved" if iter_num > 0 else ""))
 
     try:
@@ -491,12 +637,14 @@ def train(cfg, explicit=()):
     if world > 1:
         dist.barrier()  # rank 0's last log record and checkpoint are written: every rank may read them now
     last = read_log(log_path)[-1]
+    test_acc = log_test_accuracy(raw_model, cfg, meta, ctx, log_path, iter_num) if rows and master else None
     if ckpt is None or iter_num > ckpt["iter_num"]:
         print(f"{name} done: val loss {last['val_loss']:.4f} after {iter_num} iters, "
               f"{iter_num * flops_per_iter:.2e} FLOPs, {fmt_time(time.time() - t_start)}")
     else:
         print(f"{name}: already trained to iter {iter_num} (max_iters={max_iters}); nothing to do")
-    return dict(out_dir=out_dir, iter=iter_num, val_loss=last.get("val_loss"), flops=iter_num * flops_per_iter)
+    return dict(out_dir=out_dir, iter=iter_num, val_loss=last.get("val_loss"), flops=iter_num * flops_per_iter,
+                **(dict(accuracy=last.get("accuracy"), test_accuracy=test_acc) if rows else {}))
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -585,7 +733,7 @@ def format_summary(s):
     """The summary as printed lines."""
     n, ratio = len(s["seeds"]), lambda r: "never" if r is None else f"{r:.2f}x"
     pm = lambda v: f"{s[v]['val_loss_mean']:.4f}" + (f" ± {s[v]['val_loss_std']:.4f}" if n > 1 else "")
-    passes = f", {s['passes']:.2f} passes over the training tokens" if s.get("passes") else ""
+    passes = f", {s['passes']:.2f} passes over the training data" if s.get("passes") else ""
     lines = [f"final val loss, {n} seed{'s' if n > 1 else ''} ({', '.join(map(str, s['seeds']))}){passes}"
              + (", mean ± std:" if n > 1 else ":"),
              f"  baseline  {pm('baseline')}  after {s['baseline']['flops']:.3e} FLOPs",
@@ -738,10 +886,98 @@ def report(out_dir):
         title += f"\ncompared at iter {at}, the last one all runs reached ({ends})"
     path = os.path.join(out_dir, "loss_vs_flops.png")
     plot_compare(path, baseline_runs, lime_runs, summary, title)
+    lines = format_summary(summary)
+    if any("accuracy" in r for r in baseline_runs[0]):  # a task: accuracy too (see plot_accuracy)
+        tests = {(v, seed): read_test_accuracy(os.path.join(d, "log.jsonl"), at)
+                 for seed, b, l in runs for v, d in (("baseline", b), ("lime", l))}
+        summary["accuracy"] = summarize_accuracy([r[0] for r in runs], baseline_runs, lime_runs, tests)
+        path += " and " + os.path.join(out_dir, "accuracy_vs_flops.png")
+        plot_accuracy(os.path.join(out_dir, "accuracy_vs_flops.png"), baseline_runs, lime_runs, summary, title)
+        lines += format_accuracy(summary["accuracy"], len(runs))
     with atomic_file(os.path.join(out_dir, "summary.json")) as f:
         json.dump(summary, f, indent=1)
-    print("\n".join(format_summary(summary)) + f"\nwrote {path} and {os.path.join(out_dir, 'summary.json')}")
+    print("\n".join(lines) + f"\nwrote {path} and {os.path.join(out_dir, 'summary.json')}")
     return summary
+
+
+# comparing on a task (row datasets): the accuracy logged at every evaluation and the test accuracy at the end
+
+def summarize_accuracy(seeds, baseline_runs, lime_runs, tests):
+    """Per seed: final val accuracy (ACCURACY_PROBLEMS problems), test accuracy (tests: {(variant, seed):
+    log record or None}) and the FLOPs at which LIMe's accuracy first reaches the baseline's final one
+    (ratio to the baseline's total FLOPs; None: never). Then mean and std (ddof=1) over seeds."""
+    out = dict(per_seed=[])
+    for seed, b, l in zip(seeds, baseline_runs, lime_runs):
+        (bf, ba, _, _), (lf, la, _, _) = mean_band([b], "accuracy"), mean_band([l], "accuracy")
+        match = flops_to_reach(lf, -la, -ba[-1])  # first reaching an accuracy = first getting down to its negative
+        t = {v: tests.get((v, seed)) for v in ("baseline", "lime")}
+        out["per_seed"].append(dict(seed=seed, baseline_accuracy=ba[-1], lime_accuracy=la[-1],
+                                    baseline_test_accuracy=t["baseline"] and t["baseline"]["test_accuracy"],
+                                    lime_test_accuracy=t["lime"] and t["lime"]["test_accuracy"],
+                                    lime_flops_to_match=match, ratio=None if match is None else match / bf[-1]))
+    for v in ("baseline", "lime"):
+        for key in ("accuracy", "test_accuracy"):
+            vals = [p[f"{v}_{key}"] for p in out["per_seed"]]
+            if None not in vals:
+                out[f"{v}_{key}_mean"] = float(np.mean(vals))
+                out[f"{v}_{key}_std"] = float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0
+    (bf, bm, _, _), (lf, lm, _, _) = mean_band(baseline_runs, "accuracy"), mean_band(lime_runs, "accuracy")
+    match = flops_to_reach(lf, -lm, -bm[-1])
+    out["mean_curve"] = dict(lime_flops_to_match=match, ratio=None if match is None else match / bf[-1])
+    return json.loads(json.dumps(out, default=float))
+
+
+def format_accuracy(a, n):
+    """The accuracy part of the summary as printed lines."""
+    ratio = lambda r: "never" if r is None else f"{r:.2f}x"
+    pm = lambda key: "?" if f"{key}_mean" not in a else f"{a[f'{key}_mean']:.1%}" + (
+        f" ± {a[f'{key}_std']:.1%}" if n > 1 else "")
+    lines = [f"accuracy (greedy, final answer correct){', mean ± std' if n > 1 else ''}: "
+             f"val = first {ACCURACY_PROBLEMS} val problems at the end, test = the whole test split",
+             f"  baseline  val {pm('baseline_accuracy')}  test {pm('baseline_test_accuracy')}",
+             f"  LIMe      val {pm('lime_accuracy')}  test {pm('lime_test_accuracy')}"]
+    per_seed = ", ".join(f"{p['seed']}: {ratio(p['ratio'])}" for p in a["per_seed"])
+    lines.append("LIMe's FLOPs to first reach the baseline's final val accuracy / baseline's total FLOPs"
+                 + (f": {ratio(a['per_seed'][0]['ratio'])}" if n == 1 else
+                    f", per seed: {per_seed}; mean curves: {ratio(a['mean_curve']['ratio'])}"))
+    return lines
+
+
+def plot_accuracy(path, baseline_runs, lime_runs, summary, title=""):
+    """Val loss (and smoothed train loss) against training FLOPs on the left, val accuracy on the right;
+    mean over seeds with min-max bands. Written atomically to path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
+    for runs, color, label in ((baseline_runs, "tab:blue", "baseline"), (lime_runs, "tab:red", "LIMe")):
+        (vf, vm, vlo, vhi), (tf, tm, _, _) = mean_band(runs, "val_loss"), mean_band(runs, "train_loss")
+        af, am, alo, ahi = mean_band(runs, "accuracy")
+        axes[0].plot(tf, smooth(tm), color=color, alpha=0.35, lw=1, label=f"{label} train (smoothed)")
+        axes[0].plot(vf, vm, color=color, lw=2.2, marker="o", ms=4, label=f"{label} val")
+        axes[1].plot(af, 100 * am, color=color, lw=2.2, marker="o", ms=4, label=label)
+        if len(runs) > 1:
+            axes[0].fill_between(vf, vlo, vhi, color=color, alpha=0.2, lw=0)
+            axes[1].fill_between(af, 100 * alo, 100 * ahi, color=color, alpha=0.2, lw=0, label=f"{label}, min-max over seeds")
+    a = summary["accuracy"]
+    axes[1].axhline(100 * a["baseline_accuracy_mean"], color="gray", ls=":", lw=1.2, label="baseline's final accuracy")
+    if a["mean_curve"]["lime_flops_to_match"] is not None:
+        axes[1].axvline(a["mean_curve"]["lime_flops_to_match"], color="tab:red", ls=":", lw=1.2,
+                        label=f"LIMe reaches it: {a['mean_curve']['ratio']:.2f}x the FLOPs")
+    n = len(baseline_runs)
+    axes[0].set(xlabel="cumulative training FLOPs", ylabel="loss on the solution tokens (nats/token)", yscale="log",
+                title="loss vs training FLOPs" + (f" (mean of {n} seeds, log scale)" if n > 1 else " (log scale)"))
+    axes[1].set(xlabel="cumulative training FLOPs", ylabel="accuracy (%)", title=f"accuracy vs training FLOPs: "
+                f"greedy solutions of {ACCURACY_PROBLEMS} val problems, final answer correct")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[1].title.set_fontsize(10)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=110)
+    os.replace(path + ".tmp.png", path)
+    plt.close(fig)
 
 
 def compare(cfg, explicit=()):
