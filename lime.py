@@ -9,9 +9,9 @@ A LLaMA-style GPT with one switch, `lime`.
 
               where k_stack holds the raw heads of layers 0..l, layer-major, and W_l is (H, (l+1)*H).
 
-Everything LIMe-specific lives in the section "LIMe: the layer-integrated key/value mix" below: read
-lime_mix() and PlainMix first (the formula as written), then KVStack/_LimeMix (the same numbers, fast).
-The rest is the usual LLaMA recipe: RMSNorm, RoPE (rotate-half), SwiGLU, no biases, tied embeddings.
+Everything LIMe-specific is in the section "LIMe: the layer-integrated key/value mix" below: read lime_mix()
+and PlainMix first (the formula as written), then KVStack/_LimeMix (the same numbers, fast). The rest is the
+usual LLaMA recipe: RMSNorm, RoPE (rotate-half), SwiGLU, no biases, tied embeddings.
 """
 
 import math
@@ -32,8 +32,7 @@ class GPTConfig:
     multiple_of: int = 64     # SwiGLU hidden width = 8/3 * n_embd rounded up to a multiple of this
     dropout: float = 0.0      # dropout on attention weights and residual branches (0 = off)
     lime: bool = False        # the switch: True mixes K/V heads of all earlier layers (LIMe)
-    fused_mix: bool = True    # LIMe only. False: the plain formula, layer by layer (PlainMix, to read);
-                              # True: the same numbers through one shared buffer (KVStack, fast, O(L) memory)
+    fused_mix: bool = True    # LIMe's mix: False = the plain formula (PlainMix); True = same numbers, fast (KVStack)
     rope_theta: float = 10000.0  # RoPE base frequency
 
     @property
@@ -77,10 +76,9 @@ def apply_rope(x, cos, sin):
 #
 #     mixed_l = W_l @ stack[0..l]      W_l: (H, (l+1)*H),  stack[0..l]: ((l+1)*H, everything else)
 #
-# i.e. for every position, every output head r is a weighted sum of source heads j, with the SAME weights
-# for keys and values, no softmax and no mixing across time (so causality is untouched). Layer 0 has
-# no router: it uses its own kv_0. lime_mix() below is that formula, and PlainMix runs it layer by layer
-# (GPTConfig.fused_mix=False): the way to read the method, and what the fast path is tested against.
+# i.e. for every position, every output head r is a weighted sum of source heads j, with the SAME weights for
+# keys and values, no softmax and no mixing across time (so causality is untouched). Layer 0 has no router: it
+# uses its own kv_0. lime_mix() is that formula; PlainMix runs it layer by layer (GPTConfig.fused_mix=False).
 #
 # Stacked, the routers form one block-lower-triangular matrix M, (L*H, L*H), row block l = [W_l, 0] for
 # l >= 1: the mixes are M @ raw, but raw_l exists only once layer l has run. The fast path (KVStack + _LimeMix)
