@@ -341,6 +341,8 @@ def val_text(ckpt, path="ckpt.pt"):
     data_dir = os.path.join(cfg["data_dir"], cfg["dataset"])
     meta = load_meta(data_dir)
     check_dataset(ckpt, meta, data_dir, path)
+    if meta.get("layout") == "rows":
+        raise CantProbe(f"{data_dir} is a task of problems, not text: it has no words to probe")
     try:
         tok = get_tokenizer(meta)
     except ValueError as e:  # e.g. GPT-2's BPE files can't be downloaded

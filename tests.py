@@ -1384,6 +1384,9 @@ def test_train_task_compare_end_to_end(task_data, tmp_path, monkeypatch, capsys)
     with pytest.raises(ValueError, match="rows of .* drop --block_size"):
         train.main([f"--data_dir={d}", "--dataset=arith", "--preset=arithmetic", "--block_size=16", "--max_iters=1",
                     f"--out_dir={tmp_path / 'x'}", "--device=cpu"])
+    _, ckpt = common.load_checkpoint(os.path.join(out, "lime"))
+    with pytest.raises(analyze.CantProbe, match="a task of problems, not text"):  # separability: a note, no counts
+        analyze.val_text(ckpt)
 
 
 # ----------------------------------------------------------------------------- sample.py
