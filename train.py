@@ -1109,6 +1109,7 @@ def plot_depths(path, rows):
             axes[1].annotate(f"{L}", (f, m), textcoords="offset points", xytext=(4, 4), fontsize=8, color=color)
     axes[0].set(xscale="log", xlabel="layers", ylabel="final val loss (nats/token)", title="final val loss vs depth")
     axes[0].set_xticks(depth, [str(d) for d in depth])
+    axes[0].minorticks_off()  # (log axis: only the depths are labelled)
     axes[1].set(xscale="log", xlabel="training FLOPs", ylabel="final val loss (nats/token)",
                 title="final val loss vs training FLOPs (labels: layers)")
     for ax in axes:
