@@ -131,7 +131,7 @@ def main(argv=None):
         p.error("--repeats and --rounds must be >= 1, --warmup >= 0")
     print(f"device={a.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"median of {a.repeats} steps after {a.warmup} warm-up, {a.rounds} rounds, "
-          f"LIMe mix: {'fused (KVStack)' if fused else 'plain formula (PlainMix)'}")
+          f"LIMe mix: {'fused (FusedMix)' if fused else 'plain formula (PlainMix)'}")
     head = (f"{'config':<28} {'base ms':>8} {'lime ms':>8} {'time x (range)':>20} {'FLOP x':>7} {'act x':>6} "
             f"{'peak x':>7} {'act MiB b/l':>13} {'GFLOP/s b/l':>12}")
     print(head)

@@ -10,7 +10,7 @@ A LLaMA-style GPT with one switch, `lime`.
               where k_stack holds the raw heads of layers 0..l, layer-major, and W_l is (H, (l+1)*H).
 
 Everything LIMe-specific is in the section "LIMe: the layer-integrated key/value mix" below: read lime_mix()
-and PlainMix first (the formula as written), then KVStack/_LimeMix (the same numbers, fast). The rest is the
+and PlainMix first (the formula as written), then FusedMix/_FusedMixFn (the same numbers, fast). The rest is the
 usual LLaMA recipe: RMSNorm, RoPE (rotate-half), SwiGLU, no biases, tied embeddings.
 """
 
@@ -32,7 +32,7 @@ class GPTConfig:
     multiple_of: int = 64     # SwiGLU hidden width = 8/3 * n_embd rounded up to a multiple of this
     dropout: float = 0.0      # dropout on attention weights and residual branches (0 = off)
     lime: bool = False        # the switch: True mixes K/V heads of all earlier layers (LIMe)
-    fused_mix: bool = True    # LIMe's mix: False = the plain formula (PlainMix); True = same numbers, fast (KVStack)
+    fused_mix: bool = True    # LIMe's mix: False = the plain formula (PlainMix); True = same numbers, fast (FusedMix)
     rope_theta: float = 10000.0  # RoPE base frequency
 
     @property
@@ -81,13 +81,13 @@ def apply_rope(x, cos, sin):
 # uses its own kv_0. lime_mix() is that formula; PlainMix runs it layer by layer (GPTConfig.fused_mix=False).
 #
 # Stacked, the routers form one block-lower-triangular matrix M, (L*H, L*H), row block l = [W_l, 0] for
-# l >= 1: the mixes are M @ raw, but raw_l exists only once layer l has run. The fast path (KVStack + _LimeMix)
+# l >= 1: the mixes are M @ raw, but raw_l exists only once layer l has run. The fast path (FusedMix + _FusedMixFn)
 # computes exactly that, without the traps of the plain version (concatenate layers 0..l at each layer):
 #   memory: autograd would keep every concatenation, O(L^2). Here the raw K/V of all layers live ONCE in a
 #           buffer (B, 2, L, H, T, hd) that the last layer saves for backward. Seen as (2B, L*H, T*hd), layers
 #           0..l are its first (l+1)*H rows: a mix is a batched matmul on a view, no copies.
 #   time:   the mix is memory-bound, and layer by layer, layer l would reread all l+1 raw K/V. So layers
-#           go in groups of `block`: when a group starts, the layers before it are final, and ONE matmul
+#           go in groups of `group`: when a group starts, the layers before it are final, and ONE matmul
 #           reads them for the whole group (`partial`); each layer then adds its group's layers. Backward
 #           does the same with M^T (the gradient of raw_m sums over its readers l >= m). The router
 #           gradients need both buffers complete: every router is an input of layer 0's mix, whose
@@ -103,7 +103,7 @@ def lime_mix(kvs, W):
 
 class PlainMix:
     """LIMe as written: keep every layer's raw K/V; layer l concatenates layers 0..l and mixes them with W_l.
-    Autograd keeps each concatenation, O(L^2) activation memory, and does L^2/2 small products (KVStack doesn't)."""
+    Autograd keeps each concatenation, O(L^2) activation memory, and does L^2/2 small products (FusedMix doesn't)."""
 
     def __init__(self, routers):
         self.routers = routers  # W_1 .. W_{L-1}: layer 0 has no router
@@ -116,31 +116,32 @@ class PlainMix:
         return mixed.permute(2, 0, 3, 1, 4).unbind(0)                      # k, v: (B, H, T, hd)
 
 
-class KVStack:
-    """The fast path's scratch space, shared by the layers' mixes during one forward and backward pass."""
+class FusedMix:
+    """LIMe's fast path: the same numbers as PlainMix through one buffer shared by every layer's mix during a
+    forward and backward pass (GPTConfig.fused_mix=True)."""
 
-    def __init__(self, routers, scratch, block=6):
+    def __init__(self, routers, scratch, group=6):
         self.routers = routers  # W_1 .. W_{L-1} (layer 0 has none), inputs of layer 0's mix
         self.n_layer = len(routers) + 1
         self.scratch = scratch  # the model's dict that keeps the last backward's `grad` buffer for reuse (CPU)
-        self.block = block      # layers per group: any value gives the same result; 4-8 ran alike here
+        self.group = group      # layers per group: any value gives the same result; 4-8 ran alike here
         self.M = None           # (L*H, L*H) the routers as one block-lower-triangular matrix, detached
         self.buf = None         # (B, 2, L, H, T, hd) raw keys/values of every layer, filled by forward
         self.grad = None        # (B, 2, L, H, T, hd) d loss / d mixed K/V of every layer, filled by backward
-        self.partial = None     # (2B, block*H, T*hd) the current group's sums over the layers outside it
+        self.partial = None     # (2B, group*H, T*hd) the current group's sums over the layers outside it
 
     def __call__(self, l, kv):
-        """Same contract as PlainMix. Every router enters at layer 0, whose backward runs last (_LimeMix)."""
-        return _LimeMix.apply(kv, self, l, *(self.routers if l == 0 else ()))
+        """Same contract as PlainMix. Every router enters at layer 0, whose backward runs last (_FusedMixFn)."""
+        return _FusedMixFn.apply(kv, self, l, *(self.routers if l == 0 else ()))
 
 
-class _LimeMix(torch.autograd.Function):
+class _FusedMixFn(torch.autograd.Function):
     """k, v of layer l = W_l @ (raw K/V of layers 0..l), through the shared buffer."""
 
     @staticmethod
     def forward(ctx, kv, stack, l, *routers):  # routers: W_1 .. W_{L-1}, given to layer 0 only
         B, T, _, H, hd = kv.shape                                     # kv: (B, T, 2, H, hd)
-        L, g = stack.n_layer, stack.block
+        L, g = stack.n_layer, stack.group
         if l == 0:
             stack.buf = kv.new_empty(B, 2, L, H, T, hd)
             stack.M = kv.new_zeros(L * H, L * H)
@@ -168,7 +169,7 @@ class _LimeMix(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dk, dv):
         stack, l = ctx.stack, ctx.l
-        L, g, M = stack.n_layer, stack.block, stack.M
+        L, g, M = stack.n_layer, stack.group, stack.M
         B, H, T, hd = dk.shape
         if l == L - 1:                                                # first layer visited by backward
             stack.buf = ctx.saved_tensors[0]
@@ -243,15 +244,15 @@ class CausalSelfAttention(nn.Module):
         H = config.n_head
         self.router = nn.Parameter(torch.empty(H, (layer + 1) * H)) if config.lime and layer > 0 else None
 
-    def forward(self, x, cos, sin, memory=None, cache=None):
+    def forward(self, x, cos, sin, mixer=None, cache=None):
         B, T, C = x.shape
         H, hd = self.n_head, C // self.n_head
         q, kv = self.c_attn(x).view(B, T, 3, H, hd).split([1, 2], dim=2)  # (B, T, 1|2, H, hd)
         q = q.squeeze(2).transpose(1, 2)                            # (B, H, T, hd)
-        if memory is None:                                          # baseline: own keys/values
+        if mixer is None:                                           # baseline: own keys/values
             k, v = kv.transpose(1, 3).unbind(2)                     # (B, H, T, hd)
         else:                                                       # LIMe: a mix of layers 0..l
-            k, v = memory(self.layer, kv)                           # (B, H, T, hd)
+            k, v = mixer(self.layer, kv)                            # (B, H, T, hd)
         v = self.value_probe(v)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)     # RoPE after the mix
         mask, causal = None, True
@@ -290,8 +291,8 @@ class Block(nn.Module):
         self.ln_2 = RMSNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, memory=None, cache=None):
-        x = x + self.attn(self.ln_1(x), cos, sin, memory, cache)
+    def forward(self, x, cos, sin, mixer=None, cache=None):
+        x = x + self.attn(self.ln_1(x), cos, sin, mixer, cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -317,7 +318,7 @@ class GPT(nn.Module):
         cos, sin = rope_tables(config.n_embd // config.n_head, config.block_size, config.rope_theta)
         self.register_buffer("rope_cos", cos.float(), persistent=False)  # (block_size, hd)
         self.register_buffer("rope_sin", sin.float(), persistent=False)  # (block_size, hd)
-        self.kv_scratch = {}  # KVStack's reusable backward buffer: this model's own, never shared
+        self.kv_scratch = {}  # FusedMix's reusable backward buffer: this model's own, never shared
         # GPT-2 style init; residual projections scaled by 1/sqrt(2 * n_layer)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
@@ -361,12 +362,12 @@ class GPT(nn.Module):
                              f"got {tuple(targets.shape)}")
         x = self.transformer.drop(self.transformer.wte(idx))              # (B, T, C)
         cos, sin = self.rope_cos[past:past + T], self.rope_sin[past:past + T]  # (T, hd)
-        memory = None  # LIMe: what each layer's attention reads its keys/values from (PlainMix or KVStack)
+        mixer = None  # LIMe: what each layer's attention reads its keys/values from (PlainMix or FusedMix)
         if self.config.lime:
             routers = [b.attn.router for b in self.transformer.h[1:]]
-            memory = KVStack(routers, self.kv_scratch) if self.config.fused_mix else PlainMix(routers)
+            mixer = FusedMix(routers, self.kv_scratch) if self.config.fused_mix else PlainMix(routers)
         for block in self.transformer.h:
-            x = block(x, cos.to(x.dtype), sin.to(x.dtype), memory, cache)
+            x = block(x, cos.to(x.dtype), sin.to(x.dtype), mixer, cache)
         logits = self.lm_head(self.transformer.ln_f(x))                   # (B, T, vocab_size)
         loss = None
         if targets is not None:

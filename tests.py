@@ -29,7 +29,7 @@ import prepare_data
 import sample
 import train
 from analyze import head_shares, renyi_entropy, router_shares, standardize
-from lime import GPT, GPTConfig, KVStack, PlainMix
+from lime import GPT, GPTConfig, FusedMix, PlainMix
 from prepare_data import get_tokenizer, load_meta, load_tokens, prepare
 from common import save_checkpoint
 
@@ -134,8 +134,8 @@ def test_router_gradients_and_optimizer_groups():
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
 
 
-@pytest.mark.parametrize("L,block", [(1, 8), (2, 8), (4, 8), (7, 2), (7, 3), (9, 4)])
-def test_fast_mix_matches_reference_formula(L, block):
+@pytest.mark.parametrize("L,group", [(1, 8), (2, 8), (4, 8), (7, 2), (7, 3), (9, 4)])
+def test_fast_mix_matches_reference_formula(L, group):
     """The buffer-based mix (values and gradients of inputs and routers) against the plain formula,
     written out here once more with explicit loops over heads so the test does not trust lime_mix."""
     torch.manual_seed(0)
@@ -143,7 +143,7 @@ def test_fast_mix_matches_reference_formula(L, block):
     kvs = [torch.randn(B, T, 2, H, hd, dtype=torch.float64, requires_grad=True) for _ in range(L)]
     Ws = [None] + [torch.randn(H, (l + 1) * H, dtype=torch.float64, requires_grad=True)
                    for l in range(1, L)]
-    stack = KVStack(Ws[1:], {}, block=block)
+    stack = FusedMix(Ws[1:], {}, group=group)
     plain = PlainMix(Ws[1:])
     fast, via_plain = [], []
     for l, kv in enumerate(kvs):
