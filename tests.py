@@ -404,6 +404,58 @@ def test_bad_config_and_inputs():
         model(torch.zeros(8, dtype=torch.long))
 
 
+def markdown_link_errors(root, files):
+    """Broken intra-repo links in the given markdown files (paths relative to root): each link target (a file,
+    relative to the linking file) must exist, and each #anchor must be a heading of its target, slugged as
+    GitHub does. Links inside fenced code blocks and to other sites are not checked."""
+    def slug(heading):
+        return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+    def scan(path):  # -> (heading slugs, link targets) outside code fences
+        slugs, links, fenced = set(), [], False
+        for line in open(path, encoding="utf-8"):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            elif not fenced:
+                if re.match(r"#{1,6} ", line):
+                    s = slug(line.lstrip("#"))
+                    n = sum(1 for x in slugs if re.fullmatch(re.escape(s) + r"(-\d+)?", x))
+                    slugs.add(s if n == 0 else f"{s}-{n}")  # GitHub numbers repeated headings
+                links += re.findall(r"\]\(([^)\s]+)\)", line)
+        return slugs, links
+
+    errors = []
+    for f in files:
+        _, links = scan(os.path.join(root, f))
+        for link in links:
+            if re.match(r"[a-z]+:", link):
+                continue
+            target, _, anchor = link.partition("#")
+            path = os.path.normpath(os.path.join(root, os.path.dirname(f), target)) if target else os.path.join(root, f)
+            if not os.path.exists(path):
+                errors.append(f"{f}: {link}: no such file")
+            elif anchor and (not path.endswith(".md") or anchor not in scan(path)[0]):
+                errors.append(f"{f}: {link}: no heading #{anchor}")
+    return errors
+
+
+def test_markdown_links_resolve(tmp_path):
+    """Every image and intra-repo link in README.md and docs/ points to a file that exists, and every #anchor to
+    a heading of its target; the checker itself catches a missing file and a missing anchor."""
+    docs = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(HERE, "docs"))
+                                  if f.endswith(".md"))
+    assert len(docs) >= 5
+    assert markdown_link_errors(HERE, docs) == []
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# Top\n\n## Same `name`, again!\n\n## Same name again\n")
+    (tmp_path / "README.md").write_text("[ok](docs/a.md#top) [ok](docs/a.md#same-name-again) "
+                                        "[ok](docs/a.md#same-name-again-1) [web](https://x.org/y.md#z)\n"
+                                        "```\n[in code](nothing.md)\n```\n"
+                                        "![gone](assets/gone.png) [bad anchor](docs/a.md#bottom)\n")
+    assert markdown_link_errors(str(tmp_path), ["README.md", "docs/a.md"]) == [
+        "README.md: assets/gone.png: no such file", "README.md: docs/a.md#bottom: no heading #bottom"]
+
+
 def test_scripts_import_one_way():
     """Scripts share lime.py, prepare_data.py and common.py, never import each other (no cycles); common.py
     builds on lime.py and prepare_data.py (for atomic_file) alone, and lime.py imports no script and no I/O
