@@ -9,9 +9,10 @@ The paper's three analyses of a baseline-vs-LIMe comparison run, as figures plus
 1. Router maps (LIMe run). How much layer l reads from each source layer m <= l: for head r of layer l,
    share[r, m] = sum_{j in layer m's heads} W_l[r, j]^2 / sum_j W_l[r, j]^2, then the mean over heads r.
    router_map.png: target layer x source layer (layer 0 has no router: all on itself);
-   router_heads.png: heads x source layers for one layer.
+   router_heads.png: heads x source layers for one layer. With lime_sources "first" or "previous" the routers
+   are read as the model uses them (times their source mask) and the layers they may not read are left blank.
 2. Value entropy (every run). Matrix-based Renyi entropy (alpha = 0.5) of the values attention actually
-   uses (hooked on attn.value_probe; with LIMe these are the MIXED values), per layer, on the fixed
+   uses (hooked on attn.value_probe; with LIMe the MIXED values, lime_kv="k": own), per layer, on the fixed
    validation batches: value_entropy.png. How exactly: see value_entropy() and renyi_entropy().
 3. Token separability (every run). How well a linear classifier tells "is", "are", "was", "were" (--words)
    apart from one layer's representation of the word, per layer, for the values attention uses and for
@@ -37,6 +38,7 @@ import torch
 
 from prepare_data import CharTokenizer, atomic_file, get_tokenizer, load_meta, load_rows, load_tokens
 from common import check_dataset, fixed_val_batches, load_checkpoint, setup_device
+from lime import source_mask, source_routers
 
 MAX_BATCHES, MAX_SEQUENCES = 8, 64  # plenty for a stable mean (it varies little across sequences), and
                                     # seconds on a CPU: each sequence costs one eigendecomposition per layer
@@ -52,13 +54,15 @@ def head_shares(W):
     return (sq / sq.sum(-1, keepdim=True)).numpy()
 
 
-def router_shares(model_or_routers):
+def router_shares(model_or_routers, sources="all"):
     """(L, L) lower-triangular matrix: row l = mean over layer l's heads of head_shares(W_l); row 0 = [1, 0, ...].
-    Takes a GPT or a list of routers indexed by layer (routers[0] is None or ignored)."""
+    Takes a GPT (its own lime_sources) or a list of routers indexed by layer (routers[0] is None or ignored)
+    with their lime_sources. The routers count as the model uses them: a layer they may not read gets 0."""
     if isinstance(model_or_routers, torch.nn.Module):
         if not model_or_routers.config.lime:
             raise ValueError("no LIMe routers to map: this is a baseline model (lime=False)")
         routers = [block.attn.router for block in model_or_routers.transformer.h]
+        sources = model_or_routers.config.lime_sources
     else:
         routers = list(model_or_routers)
     if any(W is None for W in routers[1:]):
@@ -70,8 +74,17 @@ def router_shares(model_or_routers):
         H, n = routers[l].shape
         if n != (l + 1) * H:
             raise ValueError(f"router of layer {l} has shape {(H, n)}, expected (H, {l + 1}*H)")
-        S[l, :l + 1] = head_shares(routers[l]).mean(0)
+    for l, W in enumerate(source_routers([W.detach() for W in routers[1:]], sources), start=1):
+        S[l, :l + 1] = head_shares(W).mean(0)
     return S
+
+
+def readable_sources(L, sources):
+    """(L, L) bool: [l, m] is True where layer l may read layer m (lime_sources; m <= l, its own always)."""
+    R = np.zeros((L, L), dtype=bool)
+    for l in range(L):
+        R[l, :l + 1] = source_mask(l, 1, sources).numpy() > 0
+    return R
 
 # -----------------------------------------------------------------------------
 # value entropy
@@ -442,17 +455,24 @@ def router_figures(model, ckpt, run_dir, out_dir, layer=None):
     if not 0 <= l < c.n_layer:
         raise ValueError(f"--layer={l} is not a layer of {run_dir} (0..{c.n_layer - 1})")
     S = router_shares(model)
-    HS = np.ones((c.n_head, 1)) if l == 0 else head_shares(model.transformer.h[l].attn.router)  # (H, l+1)
-    tag = f"{run_dir} (iter {ckpt.get('iter_num', '?')})"
-    plot_shares(S, os.path.join(out_dir, "router_map.png"), f"LIMe: where each layer's keys/values come from\n{tag}",
+    HS = np.ones((c.n_head, 1)) if l == 0 else head_shares(  # (H, l+1), the router as the model uses it
+        source_routers([b.attn.router.detach() for b in model.transformer.h[1:]], c.lime_sources)[l - 1])
+    readable = readable_sources(c.n_layer, c.lime_sources)   # blank cells: layers not read (m > l, lime_sources)
+    variant = "".join(f", {k}={getattr(c, k)}" for k, paper in (("lime_kv", "kv"), ("lime_sources", "all"))
+                      if getattr(c, k) != paper)
+    tag = f"{run_dir} (iter {ckpt.get('iter_num', '?')}{variant})"
+    mixed = {"kv": "keys/values", "k": "keys", "v": "values"}[c.lime_kv]
+    plot_shares(S, os.path.join(out_dir, "router_map.png"), f"LIMe: where each layer's {mixed} come from\n{tag}",
                 "source layer m (whose keys/values are read)", "target layer l (the layer reading them)",
-                "share of squared router weight\n(mean over heads)", mask=np.triu(np.ones_like(S, dtype=bool), 1))
+                "share of squared router weight\n(mean over heads)", mask=~readable)
     plot_shares(HS, os.path.join(out_dir, "router_heads.png"), f"LIMe layer {l}: per-head source layers\n{tag}",
-                "source layer m", f"head of layer {l}", "share of squared router weight")
+                "source layer m", f"head of layer {l}", "share of squared router weight",
+                mask=np.broadcast_to(~readable[l, :l + 1], HS.shape))
     own = np.diag(S)[1:].mean() if c.n_layer > 1 else 1.0
     print(f"wrote {out_dir}/router_map.png: layers >= 1 put {own:.0%} of their router weight on their own heads")
     print(f"wrote {out_dir}/router_heads.png: layer {l}, {c.n_head} heads x {l + 1} source layers")
-    return dict(run=run_dir, shares=S.tolist(), heads_layer=l, head_shares=HS.tolist())
+    return dict(run=run_dir, lime_kv=c.lime_kv, lime_sources=c.lime_sources, shares=S.tolist(), heads_layer=l,
+                head_shares=HS.tolist(), readable=readable.tolist())
 
 
 def analyze_compare(out_dir, device="cpu", extra=(), layer=None, max_sequences=MAX_SEQUENCES, words=None, seed=0):

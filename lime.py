@@ -33,6 +33,8 @@ class GPTConfig:
     dropout: float = 0.0      # dropout on attention weights and residual branches (0 = off)
     lime: bool = False        # the switch: True mixes K/V heads of all earlier layers (LIMe)
     fused_mix: bool = True    # LIMe's mix: False = the plain formula (PlainMix); True = same numbers, fast (FusedMix)
+    lime_kv: str = "kv"       # LIMe mixes "kv" keys and values (the paper), "k" keys, "v" values (the other: own)
+    lime_sources: str = "all" # layers mixed with l's own: "all" 0..l-1 (the paper), "first" 0, "previous" l-1
     rope_theta: float = 10000.0  # RoPE base frequency
 
     @property
@@ -79,13 +81,16 @@ def apply_rope(x, cos, sin):
 # i.e. for every position, every output head r is a weighted sum of source heads j, with the SAME weights for
 # keys and values, no softmax and no mixing across time (so causality is untouched). Layer 0 has no router: it
 # uses its own kv_0. lime_mix() is that formula; PlainMix runs it layer by layer (GPTConfig.fused_mix=False).
+# Two switches take the method apart (the defaults are the paper): lime_kv mixes only the keys or only the values
+# (the other is the layer's own), lime_sources lets W_l read only some layers (a fixed 0/1 mask on its columns).
 #
 # Stacked, the routers form one block-lower-triangular matrix M, (L*H, L*H), row block l = [W_l, 0] for
 # l >= 1: the mixes are M @ raw, but raw_l exists only once layer l has run. The fast path (FusedMix + _FusedMixFn)
 # computes exactly that, without the traps of the plain version (concatenate layers 0..l at each layer):
 #   memory: autograd would keep every concatenation, O(L^2). Here the raw K/V of all layers live ONCE in a
-#           buffer (B, 2, L, H, T, hd) that the last layer saves for backward. Seen as (2B, L*H, T*hd), layers
-#           0..l are its first (l+1)*H rows: a mix is a batched matmul on a view, no copies.
+#           buffer (B, n, L, H, T, hd) that the last layer saves for backward (n = 2 keys and values, or 1 with
+#           lime_kv "k" or "v"). Seen as (n*B, L*H, T*hd), layers 0..l are its first (l+1)*H rows: a mix is a
+#           batched matmul on a view, no copies.
 #   time:   the mix is memory-bound, and layer by layer, layer l would reread all l+1 raw K/V. So layers
 #           go in groups of `group`: when a group starts, the layers before it are final, and ONE matmul
 #           reads them for the whole group (`partial`); each layer then adds its group's layers. Backward
@@ -93,6 +98,34 @@ def apply_rope(x, cos, sin):
 #           gradients need both buffers complete: every router is an input of layer 0's mix, whose
 #           backward runs last and computes them all in a few big matmuls.
 # ----------------------------------------------------------------------------------------------------
+
+LIME_KV = {"kv": slice(0, 2), "k": slice(0, 1), "v": slice(1, 2)}  # lime_kv -> what is mixed of kv's (keys, values)
+LIME_SOURCES = ("all", "first", "previous")                          # lime_sources
+
+
+def source_mask(l, H, sources):
+    """W_l's columns that lime_sources lets layer l read, ((l+1)*H,) of 0/1: its own heads and those of layers
+    0..l-1 ("all"), layer 0 ("first") or layer l-1 ("previous")."""
+    mask = torch.zeros(l + 1, H)                                    # (source layer, head)
+    mask[list({"all": range(l + 1), "first": (0, l), "previous": (l - 1, l)}[sources])] = 1.0
+    return mask.view(-1)                                            # ((l+1)*H,), layer-major like W_l's columns
+
+
+def source_routers(routers, sources):
+    """W_1 .. W_{L-1} as the mix uses them: times their source_mask, so the columns of the layers not read are
+    exactly 0 and get zero gradient. The mix still multiplies by them (it pays for the full matmul)."""
+    if sources == "all":
+        return routers
+    return [W * source_mask(l, W.shape[0], sources).to(W) for l, W in enumerate(routers, start=1)]
+
+
+def keys_values(kv, lime_kv, mixed):
+    """The k, v attention uses, each (B, H, T, hd): the mixed ones (in the order of lime_kv) for what lime_kv
+    names, the layer's own raw ones (kv: (B, T, 2, H, hd)) for the rest."""
+    own = dict(zip("kv", kv.permute(2, 0, 3, 1, 4).unbind(0)))      # "k", "v": (B, H, T, hd)
+    own.update(zip(lime_kv, mixed))
+    return own["k"], own["v"]
+
 
 def lime_mix(kvs, W):
     """The formula for one layer l >= 1. kvs: the raw keys (or values) of layers 0..l, each (..., H, hd);
@@ -105,34 +138,37 @@ class PlainMix:
     """LIMe as written: keep every layer's raw K/V; layer l concatenates layers 0..l and mixes them with W_l.
     Autograd keeps each concatenation, O(L^2) activation memory, and does L^2/2 small products (FusedMix doesn't)."""
 
-    def __init__(self, routers):
+    def __init__(self, routers, lime_kv="kv"):
         self.routers = routers  # W_1 .. W_{L-1}: layer 0 has no router
-        self.raw = []           # raw K/V of the layers run so far, each (B, T, 2, H, hd)
+        self.lime_kv = lime_kv  # what is mixed: "kv", "k" or "v"
+        self.raw = []           # raw K/V (the part that is mixed) of the layers run so far, each (B, T, n, H, hd)
 
     def __call__(self, l, kv):
         """kv: layer l's raw keys/values (B, T, 2, H, hd) -> the k, v its attention uses, each (B, H, T, hd)."""
-        self.raw.append(kv)
-        mixed = kv if l == 0 else lime_mix(self.raw, self.routers[l - 1])  # (B, T, 2, H, hd)
-        return mixed.permute(2, 0, 3, 1, 4).unbind(0)                      # k, v: (B, H, T, hd)
+        self.raw.append(kv[:, :, LIME_KV[self.lime_kv]])                   # (B, T, n, H, hd), n = 2 or 1
+        mixed = self.raw[-1] if l == 0 else lime_mix(self.raw, self.routers[l - 1])  # (B, T, n, H, hd)
+        return keys_values(kv, self.lime_kv, mixed.permute(2, 0, 3, 1, 4).unbind(0))
 
 
 class FusedMix:
     """LIMe's fast path: the same numbers as PlainMix through one buffer shared by every layer's mix during a
     forward and backward pass (GPTConfig.fused_mix=True)."""
 
-    def __init__(self, routers, scratch, group=6):
+    def __init__(self, routers, scratch, lime_kv="kv", group=6):
         self.routers = routers  # W_1 .. W_{L-1} (layer 0 has none), inputs of layer 0's mix
         self.n_layer = len(routers) + 1
         self.scratch = scratch  # the model's dict that keeps the last backward's `grad` buffer for reuse (CPU)
+        self.lime_kv = lime_kv  # what is mixed: "kv" (n = 2 planes in the buffers below), "k" or "v" (n = 1)
         self.group = group      # layers per group: any value gives the same result; 4-8 ran alike here
         self.M = None           # (L*H, L*H) the routers as one block-lower-triangular matrix, detached
-        self.buf = None         # (B, 2, L, H, T, hd) raw keys/values of every layer, filled by forward
-        self.grad = None        # (B, 2, L, H, T, hd) d loss / d mixed K/V of every layer, filled by backward
-        self.partial = None     # (2B, group*H, T*hd) the current group's sums over the layers outside it
+        self.buf = None         # (B, n, L, H, T, hd) raw keys/values of every layer, filled by forward
+        self.grad = None        # (B, n, L, H, T, hd) d loss / d mixed K/V of every layer, filled by backward
+        self.partial = None     # (n*B, group*H, T*hd) the current group's sums over the layers outside it
 
     def __call__(self, l, kv):
         """Same contract as PlainMix. Every router enters at layer 0, whose backward runs last (_FusedMixFn)."""
-        return _FusedMixFn.apply(kv, self, l, *(self.routers if l == 0 else ()))
+        mixed = _FusedMixFn.apply(kv[:, :, LIME_KV[self.lime_kv]], self, l, *(self.routers if l == 0 else ()))
+        return keys_values(kv, self.lime_kv, mixed)
 
 
 class _FusedMixFn(torch.autograd.Function):
@@ -140,56 +176,57 @@ class _FusedMixFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, kv, stack, l, *routers):  # routers: W_1 .. W_{L-1}, given to layer 0 only
-        B, T, _, H, hd = kv.shape                                     # kv: (B, T, 2, H, hd)
+        B, T, n, H, hd = kv.shape                                     # kv: (B, T, n, H, hd), n = 2 (k, v) or 1
         L, g = stack.n_layer, stack.group
         if l == 0:
-            stack.buf = kv.new_empty(B, 2, L, H, T, hd)
+            stack.buf = kv.new_empty(B, n, L, H, T, hd)
             stack.M = kv.new_zeros(L * H, L * H)
             for j, W in enumerate(routers, start=1):                  # (no grad is recorded in here)
                 stack.M[j * H:(j + 1) * H, :(j + 1) * H] = W
         M, buf = stack.M, stack.buf
-        buf[:, :, l] = kv.permute(0, 2, 3, 1, 4)                      # (B, 2, H, T, hd)
-        raw = buf.view(2 * B, L * H, T * hd)                          # rows: (layer, head)
+        buf[:, :, l] = kv.permute(0, 2, 3, 1, 4)                      # (B, n, H, T, hd)
+        raw = buf.view(n * B, L * H, T * hd)                          # rows: (layer, head)
         ctx.stack, ctx.l = stack, l
         if l == L - 1:
             ctx.save_for_backward(buf)  # the buffer is complete now: this is the one copy autograd keeps
             stack.buf = None
         a = l - l % g                                                 # l's group starts at layer a
         if l == a and a > 0:                                          # layers < a, for the whole group
-            stack.partial = M[a * H:(a + g) * H, :a * H] @ raw[:, :a * H]          # (2B, g*H, T*hd)
+            stack.partial = M[a * H:(a + g) * H, :a * H] @ raw[:, :a * H]          # (n*B, g*H, T*hd)
         if l == 0:
             mixed = raw[:, :H].clone()                                # layer 0 reads only itself
         else:                                                         # W_l on the group's layers a..l
-            mixed = M[l * H:(l + 1) * H, a * H:(l + 1) * H] @ raw[:, a * H:(l + 1) * H]  # (2B, H, T*hd)
+            mixed = M[l * H:(l + 1) * H, a * H:(l + 1) * H] @ raw[:, a * H:(l + 1) * H]  # (n*B, H, T*hd)
             if a > 0:
                 mixed += stack.partial[:, (l - a) * H:(l - a + 1) * H]   # + W_l on the layers before a
-        return mixed.view(B, 2, H, T, hd).unbind(1)                   # k, v: (B, H, T, hd)
+        return mixed.view(B, n, H, T, hd).unbind(1)                   # k, v (or one): (B, H, T, hd)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dk, dv):
+    def backward(ctx, *dmixed):                                       # d k, d v (or one): (B, H, T, hd)
         stack, l = ctx.stack, ctx.l
         L, g, M = stack.n_layer, stack.group, stack.M
-        B, H, T, hd = dk.shape
+        (B, H, T, hd), n = dmixed[0].shape, len(dmixed)
         if l == L - 1:                                                # first layer visited by backward
             stack.buf = ctx.saved_tensors[0]
             spare = stack.scratch.pop("grad", None)  # a fresh 100 MB+ CPU buffer costs page faults
             fits = spare is not None and spare.shape == stack.buf.shape and spare.dtype == stack.buf.dtype
             stack.grad = spare if fits and spare.device == stack.buf.device else torch.empty_like(stack.buf)
-        stack.grad[:, 0, l], stack.grad[:, 1, l] = dk, dv
-        raw, grad = stack.buf.view(2 * B, L * H, T * hd), stack.grad.view(2 * B, L * H, T * hd)
+        for i, d in enumerate(dmixed):
+            stack.grad[:, i, l] = d
+        raw, grad = stack.buf.view(n * B, L * H, T * hd), stack.grad.view(n * B, L * H, T * hd)
         a = l - l % g
         b = min(a + g, L)                                             # l's group: layers a..b-1
         if l == b - 1 and b < L:                                      # readers >= b, for the whole group
-            stack.partial = M[b * H:, a * H:b * H].t() @ grad[:, b * H:]           # (2B, g*H, T*hd)
+            stack.partial = M[b * H:, a * H:b * H].t() @ grad[:, b * H:]           # (n*B, g*H, T*hd)
         # d raw_l = sum over readers j >= l of W_j[:, l's columns]^T @ grad_j; here the group's readers
         lo = max(l, 1)
-        dkv = M[lo * H:b * H, l * H:(l + 1) * H].t() @ grad[:, lo * H:b * H]  # (2B, H, T*hd)
+        dkv = M[lo * H:b * H, l * H:(l + 1) * H].t() @ grad[:, lo * H:b * H]  # (n*B, H, T*hd)
         if b < L:
             dkv += stack.partial[:, (l - a) * H:(l - a + 1) * H]     # + the readers above the group
         if l == 0:
             dkv += grad[:, :H]                                        # layer 0 also reads itself
-        dkv = dkv.view(B, 2, H, T, hd).permute(0, 3, 1, 2, 4)         # (B, T, 2, H, hd)
+        dkv = dkv.view(B, n, H, T, hd).permute(0, 3, 1, 2, 4)         # (B, T, n, H, hd)
         if l > 0:
             return dkv, None, None
         # Layer 0 comes last: dW_j = sum over the batch of grad_j @ raw[0..j]^T for every router, i.e.
@@ -306,6 +343,12 @@ class GPT(nn.Module):
         if (config.n_embd // config.n_head) % 2:
             raise ValueError(f"head dim n_embd/n_head={config.n_embd // config.n_head} is odd; RoPE needs "
                              "an even head dim (change n_embd or n_head)")
+        for name, allowed in (("lime_kv", LIME_KV), ("lime_sources", LIME_SOURCES)):
+            value, paper = getattr(config, name), getattr(GPTConfig, name)
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}")
+            if value != paper and not config.lime:
+                raise ValueError(f"{name}={value!r} changes LIMe's mix, but lime=False: set lime=True")
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
@@ -332,15 +375,18 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def _init_routers(self):
-        """W_l ~ U(-sqrt(3/fan_in), +sqrt(3/fan_in)), fan_in = (l+1)*H, then its own-layer block = I.
+        """W_l ~ U(-sqrt(3/fan_in), +sqrt(3/fan_in)), fan_in = the source heads layer l reads ((l+1)*H; 2*H with
+        lime_sources "first" or "previous", whose other columns are 0), then its own-layer block = I.
         Drawn in a forked RNG, so every other weight (and whatever the caller draws next) is
         identical with and without LIMe for the same seed."""
         with torch.random.fork_rng(devices=[]):
-            for block in self.transformer.h:
+            for l, block in enumerate(self.transformer.h):
                 W = block.attn.router
                 if W is not None:
-                    H, bound = W.shape[0], math.sqrt(3.0 / W.shape[1])
+                    mask = source_mask(l, W.shape[0], self.config.lime_sources)  # ((l+1)*H,) 0/1
+                    H, bound = W.shape[0], math.sqrt(3.0 / int(mask.sum()))
                     W.uniform_(-bound, bound)
+                    W[:, mask == 0] = 0.0
                     W[:, -H:] = torch.eye(H)
 
     def get_num_params(self):
@@ -364,8 +410,9 @@ class GPT(nn.Module):
         cos, sin = self.rope_cos[past:past + T], self.rope_sin[past:past + T]  # (T, hd)
         mixer = None  # LIMe: what each layer's attention reads its keys/values from (PlainMix or FusedMix)
         if self.config.lime:
-            routers = [b.attn.router for b in self.transformer.h[1:]]
-            mixer = FusedMix(routers, self.kv_scratch) if self.config.fused_mix else PlainMix(routers)
+            c = self.config
+            routers = source_routers([b.attn.router for b in self.transformer.h[1:]], c.lime_sources)
+            mixer = FusedMix(routers, self.kv_scratch, c.lime_kv) if c.fused_mix else PlainMix(routers, c.lime_kv)
         for block in self.transformer.h:
             x = block(x, cos.to(x.dtype), sin.to(x.dtype), mixer, cache)
         logits = self.lm_head(self.transformer.ln_f(x))                   # (B, T, vocab_size)
@@ -379,12 +426,14 @@ class GPT(nn.Module):
         """Forward FLOPs per token of a length-T training sequence, 2 per multiply-add.
         Counted: every weight matmul (2*m*n; the tied LM head 2*D*V, the embedding lookup 0), attention's
         QK^T and AV over the FULL T x T square (what the math SDPA kernel and FlopCounterMode count; a
-        causal flash kernel skips about half), and each LIMe mix: 2*(l+1)*H*H*hd for keys, same for values.
-        Not counted: norms, RoPE, softmax, SiLU and other elementwise work. Training = 3x this."""
+        causal flash kernel skips about half), and each LIMe mix: 2*(l+1)*H*H*hd for keys, same for values
+        (lime_kv "k" or "v": the one mixed). A restricted lime_sources still pays for all (l+1)*H columns: the mix
+        multiplies the masked ones by their zeros. Not counted: norms, RoPE, softmax, SiLU and other elementwise
+        work. Training = 3x this."""
         c = self.config
         D, H, hd = c.n_embd, c.n_head, c.n_embd // c.n_head
         layer = 2 * D * 3 * D + 2 * D * D + 3 * 2 * D * c.mlp_hidden + 2 * 2 * T * D
-        mix = sum(2 * 2 * (l + 1) * H * H * hd for l in range(1, c.n_layer)) if c.lime else 0
+        mix = sum(2 * len(c.lime_kv) * (l + 1) * H * H * hd for l in range(1, c.n_layer)) if c.lime else 0
         return c.n_layer * layer + mix + 2 * D * c.vocab_size
 
     def configure_optimizers(self, weight_decay, learning_rate, betas=(0.9, 0.95), router_lr=1e-2,

@@ -29,7 +29,7 @@ import prepare_data
 import sample
 import train
 from analyze import head_shares, renyi_entropy, router_shares, standardize
-from lime import GPT, GPTConfig, FusedMix, PlainMix
+from lime import GPT, GPTConfig, FusedMix, PlainMix, source_routers
 from prepare_data import get_tokenizer, load_meta, load_tokens, prepare
 from common import save_checkpoint
 
@@ -60,8 +60,16 @@ def randomize_routers(model, seed=1):
 
 # ----------------------------------------------------------------------------- lime.py: the method
 
-def test_identity_routers_equal_baseline():
-    base, lime = make(False, dtype=torch.float64), make(True, dtype=torch.float64)
+SWITCHES = [dict(lime_kv=kv, lime_sources=src) for kv in ("kv", "k", "v") for src in ("all", "first", "previous")]
+
+
+def switch_id(s):
+    return "-".join(s.values()) if isinstance(s, dict) else None
+
+
+@pytest.mark.parametrize("switches", SWITCHES, ids=switch_id)
+def test_identity_routers_equal_baseline(switches):
+    base, lime = make(False, dtype=torch.float64), make(True, dtype=torch.float64, **switches)
     H = lime.config.n_head
     with torch.no_grad():
         for W in routers(lime):
@@ -109,6 +117,66 @@ def test_router_init():
         assert (other != 0).any()
 
 
+@pytest.mark.parametrize("sources", ["first", "previous"])
+def test_router_init_restricted_sources(sources):
+    """W_l keeps its (H, (l+1)*H) shape; the columns of the layers not read are exactly +0.0, the own block is I,
+    the other layer read is U(-sqrt(3/fan_in), +sqrt(3/fan_in)) with fan_in = the 2*H heads it reads."""
+    L, H = 6, 3
+    model = make(True, n_layer=L, n_head=H, n_embd=24, lime_sources=sources)
+    for l, W in enumerate(routers(model), start=1):
+        W = W.detach().view(H, l + 1, H)                                       # (head, source layer, source head)
+        other = 0 if sources == "first" else l - 1
+        assert torch.equal(W[:, l], torch.eye(H))
+        if other < l:
+            assert 0 < W[:, other].abs().max() <= math.sqrt(3 / (2 * H)) and (W[:, other] != 0).all()
+        unread = [m for m in range(l) if m != other]
+        assert torch.equal(W[:, unread].view(-1).view(torch.int32), torch.zeros(H * len(unread) * H, dtype=torch.int32))
+
+
+def test_default_switches_are_the_paper():
+    """lime_kv="kv", lime_sources="all" by default; the switches' code paths leave it untouched: explicit defaults
+    give bit-identical logits and gradients, and with 2 layers (where "first" and "previous" read every layer)
+    every lime_sources gives bit-identical ones too (the mask multiplies by ones)."""
+    assert (GPTConfig.lime_kv, GPTConfig.lime_sources) == ("kv", "all")
+    idx = torch.randint(0, 61, (2, 16))
+
+    def run(**kw):
+        model = make(True, **kw)
+        logits, loss = model(idx, idx)
+        loss.backward()
+        return [logits] + [p.grad for p in model.parameters()]
+
+    for n_layer, variants in ((4, [dict(lime_kv="kv", lime_sources="all")]),
+                              (2, [dict(lime_sources="first"), dict(lime_sources="previous")])):
+        for fused in (True, False):
+            ref = run(n_layer=n_layer, fused_mix=fused)
+            for kw in variants:
+                assert all(torch.equal(a, b) for a, b in zip(ref, run(n_layer=n_layer, fused_mix=fused, **kw)))
+
+
+@pytest.mark.parametrize("switches", [dict(lime_sources="first"), dict(lime_kv="v", lime_sources="previous")],
+                         ids=switch_id)
+def test_restricted_routers_stay_zero_in_training(switches):
+    """With lime_sources "first"/"previous", AdamW steps (routers: no weight decay) leave the unread columns at
+    exactly 0 while the read ones learn; a nonzero unread entry does not change the model's output."""
+    model = make(True, n_layer=4, **switches)
+    before = [W.detach().clone() for W in routers(model)]
+    x = torch.randint(0, 61, (4, 16), generator=torch.Generator().manual_seed(0))
+    train_steps(model, [x] * 3)
+    H = model.config.n_head
+    for l, (W, W0) in enumerate(zip(routers(model), before), start=1):
+        read = [0 if switches["lime_sources"] == "first" else l - 1, l]
+        for m in range(l + 1):
+            block, block0 = W[:, m * H:(m + 1) * H], W0[:, m * H:(m + 1) * H]
+            assert torch.equal(block, block0) != (m in read), (l, m)
+            assert (m in read) or (block == 0).all()
+    with torch.no_grad():
+        logits = model(x)[0]
+        m = 1 if switches["lime_sources"] == "first" else 0                    # a layer the last one doesn't read
+        routers(model)[-1][:, m * H:(m + 1) * H] += 5.0
+        assert torch.equal(model(x)[0], logits)
+
+
 def test_parameter_count():
     L, H = 5, 4
     base, lime = make(False, n_layer=L, n_head=H), make(True, n_layer=L, n_head=H)
@@ -134,37 +202,60 @@ def test_router_gradients_and_optimizer_groups():
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
 
 
-@pytest.mark.parametrize("L,group", [(1, 8), (2, 8), (4, 8), (7, 2), (7, 3), (9, 4)])
-def test_fast_mix_matches_reference_formula(L, group):
-    """The buffer-based mix (values and gradients of inputs and routers) against the plain formula,
-    written out here once more with explicit loops over heads so the test does not trust lime_mix."""
+def check_mix_against_formula(L, group, lime_kv="kv", sources="all"):
+    """The buffer-based mix and the plain one (values and gradients of inputs and routers) against the formula,
+    written out here once more with explicit loops over heads and the source layers each setting reads, so the
+    test trusts neither lime_mix nor the source masks."""
     torch.manual_seed(0)
     B, T, H, hd = 2, 5, 3, 4
     kvs = [torch.randn(B, T, 2, H, hd, dtype=torch.float64, requires_grad=True) for _ in range(L)]
     Ws = [None] + [torch.randn(H, (l + 1) * H, dtype=torch.float64, requires_grad=True)
                    for l in range(1, L)]
-    stack = FusedMix(Ws[1:], {}, group=group)
-    plain = PlainMix(Ws[1:])
+    used = source_routers(Ws[1:], sources)                                       # as GPT.forward passes them
+    stack = FusedMix(used, {}, lime_kv, group=group)
+    plain = PlainMix(used, lime_kv)
     fast, via_plain = [], []
     for l, kv in enumerate(kvs):
         for mix, out in ((stack, fast), (plain, via_plain)):
             k, v = mix(l, kv)                                                   # (B, H, T, hd) each
             out.append(torch.stack([k, v], dim=2).transpose(1, 3))              # (B, T, 2, H, hd)
     heads = [kv[:, :, :, h] for kv in kvs for h in range(H)]                    # layer-major, (B, T, 2, hd)
-    ref = [kvs[0]] + [torch.stack([sum(Ws[l][r, j] * heads[j] for j in range((l + 1) * H)) for r in range(H)],
-                                  dim=3) for l in range(1, L)]                  # (B, T, 2, H, hd)
-    for f, p, r in zip(fast, via_plain, ref):
-        assert torch.allclose(p, r, atol=1e-12)
+    ref = [kvs[0]]
+    for l in range(1, L):
+        read = {"all": range(l + 1), "first": [0, l], "previous": [l - 1, l]}[sources]
+        mixed = torch.stack([sum(Ws[l][r, m * H + h] * heads[m * H + h] for m in read for h in range(H))
+                             for r in range(H)], dim=3)                         # (B, T, 2, H, hd)
+        own = kvs[l]
+        ref.append(torch.stack([(mixed if "k" in lime_kv else own)[:, :, 0],
+                                (mixed if "v" in lime_kv else own)[:, :, 1]], dim=2))  # (B, T, 2, H, hd)
     coef = [torch.randn_like(r) for r in ref]
-    loss_fast = sum((f * c).sum() for f, c in zip(fast, coef))
-    loss_ref = sum((r * c).sum() for r, c in zip(ref, coef))
-    for f, r in zip(fast, ref):
-        assert torch.allclose(f, r, atol=1e-12)
     leaves = kvs + Ws[1:]
-    g_fast = torch.autograd.grad(loss_fast, leaves)
-    g_ref = torch.autograd.grad(loss_ref, leaves)
-    for a, b in zip(g_fast, g_ref):
-        assert torch.allclose(a, b, atol=1e-12)
+    g_ref = torch.autograd.grad(sum((r * c).sum() for r, c in zip(ref, coef)), leaves, allow_unused=True)
+    for out in (fast, via_plain):
+        for o, r in zip(out, ref):
+            assert torch.allclose(o, r, atol=1e-12, rtol=0)
+        g = torch.autograd.grad(sum((o * c).sum() for o, c in zip(out, coef)), leaves, retain_graph=True)
+        for a, b in zip(g, g_ref):
+            assert torch.allclose(a, torch.zeros_like(a) if b is None else b, atol=1e-12, rtol=0)
+    return g
+
+
+@pytest.mark.parametrize("L,group", [(1, 8), (2, 8), (4, 8), (7, 2), (7, 3), (9, 4)])
+def test_fast_mix_matches_reference_formula(L, group):
+    check_mix_against_formula(L, group)
+
+
+@pytest.mark.parametrize("lime_kv", ["kv", "k", "v"])
+@pytest.mark.parametrize("sources", ["all", "first", "previous"])
+def test_mix_switches_match_reference_formula(lime_kv, sources):
+    """Every lime_kv x lime_sources setting, plain and fused, against the formula head by head (float64); the
+    router columns of layers not read get exactly zero gradient."""
+    L, H = 7, 3
+    g = check_mix_against_formula(L, 3, lime_kv, sources)
+    for l, dW in enumerate(g[L:], start=1):                                     # (H, (l+1)*H) each
+        read = {"all": range(l + 1), "first": [0, l], "previous": [l - 1, l]}[sources]
+        for m in range(l + 1):
+            assert (dW[:, m * H:(m + 1) * H] == 0).all() != (m in read)
 
 
 def test_reused_gradient_buffer_and_bf16_autocast():
@@ -328,9 +419,10 @@ def test_bench_measure_and_table_tiny(capsys):
     assert float(rows[0][9]) == pytest.approx(lime["act_bytes"] / base["act_bytes"], abs=1e-3)
 
 
-@pytest.mark.parametrize("lime", [False, True])
-def test_kv_cache_generation_matches_uncached(lime):
-    model = make(lime).eval()
+@pytest.mark.parametrize("lime, switches", [(False, {}), (True, {})] + [(True, s) for s in SWITCHES[1:]],
+                         ids=switch_id)
+def test_kv_cache_generation_matches_uncached(lime, switches):
+    model = make(lime, **switches).eval()
     randomize_routers(model)
     bs = model.config.block_size
     idx = torch.randint(0, 61, (2, 5))
@@ -376,6 +468,28 @@ def test_flops_match_flop_counter(lime, shape):
     assert abs(both.get_total_flops() / (3 * expected) - 1) < 0.01
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("switches", SWITCHES, ids=switch_id)
+def test_flops_match_flop_counter_every_switch(switches, fused):
+    """Each lime_kv x lime_sources setting, fused and plain: flops_per_token against FlopCounterMode. "k" or "v"
+    mixes one of the two; a restricted lime_sources pays for the full mix (its masked entries are zeros)."""
+    torch.manual_seed(0)
+    shape = dict(n_layer=5, n_head=2, n_embd=16, block_size=8, vocab_size=50)
+    model = GPT(GPTConfig(lime=True, fused_mix=fused, **shape, **switches))
+    idx = torch.randint(0, 50, (2, 8))
+    expected = model.flops_per_token(8) * 2 * 8
+    with sdpa_kernel(SDPBackend.MATH):
+        with FlopCounterMode(display=False) as fwd:
+            model(idx, idx)
+        with FlopCounterMode(display=False) as both:
+            model(idx, idx)[1].backward()
+    assert abs(fwd.get_total_flops() / expected - 1) < 0.01
+    assert abs(both.get_total_flops() / (3 * expected) - 1) < 0.01
+    mix = sum(2 * (l + 1) * 2 * 2 * 8 for l in range(1, 5))                  # one of keys/values, all columns
+    base = GPT(GPTConfig(lime=False, **shape)).flops_per_token(8)
+    assert model.flops_per_token(8) - base == mix * len(switches["lime_kv"])
+
+
 @pytest.mark.parametrize("lime", [False, True])
 def test_overfits_one_batch(lime):
     model = make(lime)
@@ -395,6 +509,12 @@ def test_bad_config_and_inputs():
         GPT(tiny_config(False, n_embd=30, n_head=4))
     with pytest.raises(ValueError, match="even"):
         GPT(tiny_config(False, n_embd=12, n_head=4))
+    with pytest.raises(ValueError, match=re.escape("lime_kv='q' is not one of kv, k, v")):
+        GPT(tiny_config(True, lime_kv="q"))
+    with pytest.raises(ValueError, match=re.escape("lime_sources='last' is not one of all, first, previous")):
+        GPT(tiny_config(True, lime_sources="last"))
+    with pytest.raises(ValueError, match=re.escape("lime_sources='first' changes LIMe's mix, but lime=False")):
+        GPT(tiny_config(False, lime_sources="first"))
     model = make(True)
     with pytest.raises(ValueError, match="block_size"):
         model(torch.zeros(1, 17, dtype=torch.long))
@@ -874,6 +994,62 @@ def test_train_resume_is_exact(tiny_data, tmp_path):
                 assert abs(ra[k] - rb[k]) <= 1e-6, (ra, rb)
 
 
+def test_train_lime_switches_checkpoint_round_trip(tiny_data, tmp_path, capsys):
+    """--lime_kv/--lime_sources reach the model, its checkpoint and the log; loading the checkpoint gives the same
+    model (same logits); they are fixed on --resume; without --lime they are an error; a checkpoint from before
+    the flags existed resumes as the paper's mix."""
+    out = tmp_path / "v"
+    train.main(tiny_data("--lime=True", "--lime_kv=v", "--lime_sources=previous", "--n_layer=3", "--max_iters=4",
+                         f"--out_dir={out}"))
+    assert "LIMe lime_kv=v lime_sources=previous:" in capsys.readouterr().out
+    model, ckpt = common.load_checkpoint(str(out))
+    assert (model.config.lime_kv, model.config.lime_sources) == ("v", "previous")
+    assert ckpt["config"]["lime_kv"] == "v" and train.read_log(str(out / "log.jsonl"), header=True)[
+        "model_args"]["lime_sources"] == "previous"
+    assert ckpt["model"]["transformer.h.2.attn.router"].shape == (2, 6)
+    assert (ckpt["model"]["transformer.h.2.attn.router"][:, :2] == 0).all()   # layer 2 doesn't read layer 0
+    fresh = GPT(GPTConfig(**ckpt["model_args"]))
+    fresh.load_state_dict(torch.load(out / "ckpt.pt", weights_only=True)["model"])
+    idx = torch.randint(0, model.config.vocab_size, (2, 16))
+    assert torch.equal(fresh(idx)[0], model(idx)[0])
+    with pytest.raises(ValueError, match="lime_kv differs"):
+        train.main([f"--out_dir={out}", "--resume=True", "--lime_kv=k", "--device=cpu", "--max_iters=6"])
+    with pytest.raises(ValueError, match="lime_sources differs"):
+        train.main([f"--out_dir={out}", "--resume=True", "--lime_sources=all", "--device=cpu", "--max_iters=6"])
+    assert train.main([f"--out_dir={out}", "--resume=True", "--device=cpu", "--max_iters=6"])["iter"] == 6
+    assert common.load_checkpoint(str(out))[0].config.lime_kv == "v"
+    old = tmp_path / "old"                                                        # a run from before the flags
+    train.main(tiny_data("--lime=True", "--max_iters=2", f"--out_dir={old}"))
+    ckpt = torch.load(old / "ckpt.pt", weights_only=True)
+    for d in (ckpt["config"], ckpt["model_args"]):
+        del d["lime_kv"], d["lime_sources"]
+    torch.save(ckpt, old / "ckpt.pt")
+    with pytest.raises(ValueError, match=re.escape("lime_sources differs (checkpoint has 'all'")):
+        train.main([f"--out_dir={old}", "--resume=True", "--lime_sources=first", "--device=cpu", "--max_iters=4"])
+    assert train.main([f"--out_dir={old}", "--resume=True", "--device=cpu", "--max_iters=4"])["iter"] == 4
+
+
+def test_train_frozen_routers_stay_bit_identical(tiny_data, tmp_path):
+    """lime-frozen = --router_lr=0: through train.py's real loop (warmup + cosine schedule scaled to a peak lr of
+    0, grad clipping, AdamW with the routers' weight decay 0) the routers end bit-identical to their init, though
+    they got gradients all along and every other weight trained."""
+    out = tmp_path / "frozen"
+    train.main(tiny_data("--lime=True", "--n_layer=3", "--router_lr=0", "--max_iters=6", "--grad_clip=0.5",
+                         f"--out_dir={out}"))
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    torch.manual_seed(ckpt["config"]["seed"])                                     # train.py's init, again
+    init = GPT(GPTConfig(**ckpt["model_args"])).state_dict()
+    names = [k for k in init if k.endswith("attn.router")]
+    assert len(names) == 2
+    for k in names:
+        assert torch.equal(ckpt["model"][k].view(torch.int32), init[k].view(torch.int32)), k
+    assert not torch.equal(ckpt["model"]["lm_head.weight"], init["lm_head.weight"])
+    groups = ckpt["optimizer"]["param_groups"]
+    assert groups[2]["peak_lr"] == groups[2]["lr"] == 0.0 and groups[2]["weight_decay"] == 0.0 and groups[0]["lr"] > 0
+    state = ckpt["optimizer"]["state"]
+    assert all(state[i]["exp_avg"].abs().sum() > 0 for i in groups[2]["params"])  # gradients did reach them
+
+
 def test_train_passes_over_data(tiny_data, tmp_path, capsys):
     """passes = max_iters x tokens per iteration / training tokens: in the run header, the log header and the
     comparison summary; more than 2 gets a warning (overfitting, not what depth does, would dominate)."""
@@ -1159,6 +1335,9 @@ BAD_FLOAT_FLAGS = [("grad_clip", "nan"), ("min_lr", "nan"), ("weight_decay", "in
     ("--learning_rate=-1", "--learning_rate must be > 0, got -1.0"),  # blamed --min_lr (derived from it)
     ("--seed=-1", "--seed must be at least 0, got -1"),              # wrote a log first, then numpy's words
     ("--device=foo", "unknown --device=foo; use auto, cpu, cuda, cuda:N or mps"),
+    ("--lime_kv=kq", "--lime_kv must be one of kv, k, v, got 'kq'"),
+    ("--lime_sources=last", "--lime_sources must be one of all, first, previous, got 'last'"),
+    ("--lime_sources=first", "--lime_sources=first changes LIMe's mix: add --lime=True"),  # a baseline, silently
 ] + [(f"--{k}={v}", f"--{k} must be a finite number, got {v}") for k, v in BAD_FLOAT_FLAGS])
 def test_train_bad_flag_named_before_anything_is_written(tiny_data, tmp_path, flag, match):
     with pytest.raises(ValueError, match=re.escape(match)):
@@ -1587,10 +1766,10 @@ def test_sample_task_checkpoint_solves_an_expression(task_data, tmp_path, capsys
 ANALYZE_TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\nAll:\nSpeak, speak.\n" * 30
 
 
-def tiny_gpt(lime, n_layer=3, n_head=2, vocab_size=40, block_size=16):
+def tiny_gpt(lime, n_layer=3, n_head=2, vocab_size=40, block_size=16, **switches):
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                         n_embd=8 * n_head, multiple_of=16, lime=lime))
+                         n_embd=8 * n_head, multiple_of=16, lime=lime, **switches))
 
 
 def orthonormal_rows(n, d, seed=0):
@@ -1654,11 +1833,29 @@ def test_analyze_router_shares_by_hand():
     assert router_shares([None, W1]).tolist() == [[1.0, 0.0], [0.75, 0.25]]
 
 
-def make_run(out_dir, data_dir, lime):
+@pytest.mark.parametrize("sources, read", [("first", [[0], [0, 1], [0, 2], [0, 3]]),
+                                           ("previous", [[0], [0, 1], [1, 2], [2, 3]])])
+def test_analyze_router_shares_restricted_sources(sources, read):
+    """Shares count the routers as the model uses them: the layers a layer doesn't read get exactly 0 even if
+    the parameter holds something there, and each row still sums to 1; readable_sources marks what is read."""
+    model = tiny_gpt(lime=True, n_layer=4, n_head=2, lime_sources=sources)
+    randomize_routers(model)                                    # nonzero everywhere, unread columns too
+    S = router_shares(model)
+    assert np.allclose(S.sum(1), 1.0)
+    R = analyze.readable_sources(4, sources)
+    assert [list(np.flatnonzero(row)) for row in R] == read
+    assert (S[~R] == 0).all() and (S[R][1:] > 0).all()
+    expected = router_shares([None] + [W * torch.tensor(np.repeat(R[l, :l + 1], 2), dtype=W.dtype)
+                                       for l, W in enumerate(routers(model), start=1)])
+    assert np.allclose(S, expected, atol=1e-15)
+    assert np.array_equal(router_shares([None] + routers(model), sources), S)  # a list of routers + their sources
+
+
+def make_run(out_dir, data_dir, lime, **switches):
     """A tiny untrained GPT saved the way train.py saves one (no training needed for the figures)."""
     meta = prepare(ANALYZE_TEXT, data_dir, tokenizer="char") if not os.path.exists(data_dir) else \
         json.load(open(os.path.join(data_dir, "meta.json")))
-    model = tiny_gpt(lime, vocab_size=meta["vocab_size"])
+    model = tiny_gpt(lime, vocab_size=meta["vocab_size"], **switches)
     ckpt = dict(model_args=asdict(model.config), model=model.state_dict(),
                 optimizer=model.configure_optimizers(0.1, 1e-3).state_dict(), iter_num=0, best_val_loss=3.5,
                 config=dict(dataset=os.path.basename(data_dir), data_dir=os.path.dirname(data_dir),
@@ -1686,6 +1883,23 @@ def test_analyze_compare_writes_figures(tmp_path, capsys):
     assert saved["runs"]["lime"]["sequences"] == 12  # eval_iters=3 fixed val batches of 4
     single = analyze.analyze_compare(str(out / "lime"))  # a single (non --compare) run folder works too
     assert single["router"]["shares"] == saved["router"]["shares"] and os.path.getsize(out / "lime" / "router_map.png")
+
+
+def test_analyze_router_maps_blank_unread_sources(tmp_path, monkeypatch):
+    """A lime_sources="previous", lime_kv="k" run: the router map leaves the layers not read blank (and the upper
+    triangle), the per-head map too; analysis.json says which setting and which cells are readable."""
+    out, data = tmp_path / "out", str(tmp_path / "data" / "tiny")
+    make_run(str(out / "lime"), data, lime=True, lime_kv="k", lime_sources="previous")
+    masks = {}
+    draw = analyze.plot_shares
+    monkeypatch.setattr(analyze, "plot_shares", lambda M, path, *a, mask=None: (
+        masks.__setitem__(os.path.basename(path), mask), draw(M, path, *a, mask=mask))[1])
+    result = analyze.analyze_compare(str(out / "lime"))["router"]
+    blank = [[False, True, True], [False, False, True], [True, False, False]]  # layer 2 doesn't read layer 0
+    assert masks["router_map.png"].tolist() == blank
+    assert masks["router_heads.png"].tolist() == [[True, False, False]] * 2   # layer 2, its 2 heads
+    assert result["lime_sources"] == "previous" and result["lime_kv"] == "k"
+    assert result["readable"] == [[not b for b in row] for row in blank] and result["shares"][2][0] == 0.0
 
 
 def test_analyze_refuses_re_prepared_dataset(tmp_path):

@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import (check_dataset, fixed_val_batches, load_weights, read_checkpoint, sample_batch, save_checkpoint,
                     setup_device)
-from lime import GPT, GPTConfig
+from lime import GPT, GPTConfig, LIME_KV, LIME_SOURCES
 from prepare_data import atomic_file, load_meta, load_rows, load_tokens, task_answer
 
 # -----------------------------------------------------------------------------------------------------
@@ -60,6 +60,10 @@ FLAGS = [  # name, type, default, help
     ("n_embd", int, None, "model width"),
     ("dropout", float, 0.0, "dropout rate"),
     ("lime", bool, False, "True: LIMe (mix keys/values of all earlier layers); False: baseline"),
+    ("lime_kv", str, "kv", "with --lime: what the routers mix: kv (keys and values, the paper), k (keys; values "
+                           "the layer's own), v (values; keys the layer's own)"),
+    ("lime_sources", str, "all", "with --lime: the layers each layer mixes with its own: all (every earlier layer, "
+                                 "the paper), first (layer 0), previous (the one before)"),
     ("fused_mix", bool, True, "LIMe's mix: True the fast shared-buffer path; False the plain formula, layer "
                               "by layer (same numbers; slower, O(n_layer^2) memory: for reading and checking)"),
     ("max_iters", int, None, "optimizer steps"),
@@ -128,8 +132,10 @@ PRESETS = {
 RUNTIME = {"out_dir", "device", "dtype", "compile", "fused_mix", "resume", "compare", "seeds", "plot", "analyze",
            "preset", "depths"}
 # on --resume these must match the checkpoint if given explicitly: the run would no longer be the same run
-RESUME_FIXED = ["dataset", "n_layer", "n_head", "n_embd", "block_size", "lime", "seed", "batch_size",
-                "gradient_accumulation_steps"]
+RESUME_FIXED = ["dataset", "n_layer", "n_head", "n_embd", "block_size", "lime", "lime_kv", "lime_sources", "seed",
+                "batch_size", "gradient_accumulation_steps"]
+# LIMe's mix as in the paper: what a baseline passes to the model, and what checkpoints from before these flags used
+LIME_PAPER = dict(lime_kv="kv", lime_sources="all")
 # what a checkpoint must hold to be resumed from
 RESUME_KEYS = ("model_args", "model", "optimizer", "iter_num", "best_val_loss", "config", "rng_cpu")
 
@@ -193,6 +199,12 @@ def resolve(cfg):
         raise ValueError(f"--lr_decay must be cosine or linear, got {cfg['lr_decay']!r}")
     if not 0 <= cfg["dropout"] < 1:
         raise ValueError(f"need 0 <= --dropout < 1, got {cfg['dropout']}")
+    for k, allowed in (("lime_kv", LIME_KV), ("lime_sources", LIME_SOURCES)):
+        if cfg[k] not in allowed:
+            raise ValueError(f"--{k} must be one of {', '.join(allowed)}, got {cfg[k]!r}")
+        # (a --compare gives them to its LIMe runs alone; on --resume resume_config checks them against the checkpoint)
+        if cfg[k] != LIME_PAPER[k] and not (cfg["lime"] or cfg["compare"] or cfg["resume"]):
+            raise ValueError(f"--{k}={cfg[k]} changes LIMe's mix: add --lime=True")
     return cfg
 
 
@@ -411,15 +423,16 @@ def evaluate(model, batches, ctx, device):
 def resume_config(ckpt, cfg, explicit, path):
     """The checkpoint's config, with runtime flags and explicitly given flags from cfg. Raises ValueError
     naming the field if an explicit flag contradicts the checkpoint."""
-    missing = [k for k in RESUME_FIXED if not isinstance(ckpt["config"], dict) or k not in ckpt["config"]]
+    saved = {**LIME_PAPER, **ckpt["config"]} if isinstance(ckpt["config"], dict) else {}
+    missing = [k for k in RESUME_FIXED if k not in saved]
     if missing:
         raise ValueError(f"{path} is not a usable checkpoint: its config lacks {', '.join(missing)} (not written "
                          f"by train.py?); restore it, or train a new run into a fresh --out_dir")
     for k in RESUME_FIXED:
-        if k in explicit and cfg[k] != ckpt["config"][k]:
-            raise ValueError(f"can't resume from {path}: {k} differs (checkpoint has {ckpt['config'][k]!r}, "
+        if k in explicit and cfg[k] != saved[k]:
+            raise ValueError(f"can't resume from {path}: {k} differs (checkpoint has {saved[k]!r}, "
                              f"--{k}={cfg[k]!r}); drop --{k}, or train into a new --out_dir")
-    return {**cfg, **ckpt["config"], **{k: v for k, v in cfg.items() if k in RUNTIME or k in explicit}}
+    return {**cfg, **saved, **{k: v for k, v in cfg.items() if k in RUNTIME or k in explicit}}
 
 
 class NonFiniteLoss(ValueError):
@@ -485,9 +498,10 @@ def train(cfg, explicit=()):
     torch.manual_seed(cfg["seed"])  # right before the model: same non-router init with and without LIMe
     model_args = asdict(GPTConfig(vocab_size=meta["vocab_size"], block_size=cfg["block_size"],
                                   n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"],
-                                  dropout=cfg["dropout"], lime=cfg["lime"], fused_mix=cfg["fused_mix"]))
+                                  dropout=cfg["dropout"], lime=cfg["lime"], fused_mix=cfg["fused_mix"],
+                                  lime_kv=cfg["lime_kv"], lime_sources=cfg["lime_sources"]))
     if ckpt is not None:
-        for k, v in ckpt["model_args"].items():
+        for k, v in {**LIME_PAPER, **ckpt["model_args"]}.items():
             if k not in ("dropout", "fused_mix") and model_args.get(k) != v:  # e.g. the data was re-prepared
                 raise ValueError(f"can't resume from {ckpt_path}: model {k} differs (checkpoint has {v!r}, "
                                  f"now {model_args.get(k)!r})")
@@ -525,7 +539,8 @@ def train(cfg, explicit=()):
     else:
         passes = max_iters * tokens_per_iter / len(train_data)  # how often the run sees each training token
         val_batches = fixed_val_batches(val_data, T, B, cfg["eval_iters"])
-    name = "LIMe" if cfg["lime"] else "baseline"
+    name = "baseline" if not cfg["lime"] else "LIMe" + "".join(
+        f" {k}={cfg[k]}" for k in LIME_PAPER if cfg[k] != LIME_PAPER[k])  # e.g. "LIMe lime_kv=k"
     print(f"{name}: {raw_model.get_num_params() / 1e6:.2f}M params | {flops_per_iter / tokens_per_iter / 1e6:.2f} "
           f"MFLOPs/token (train) | {tokens_per_iter:,} tokens/iter | {device} {dtype} | "
           f"{cfg['data_dir']}/{cfg['dataset']} -> {out_dir}" + (f" | {world} processes" if world > 1 else "")
@@ -1009,8 +1024,9 @@ def compare(cfg, explicit=()):
                 print(f"note: {d} stopped before its first checkpoint; starting it over")
                 if master:
                     os.remove(os.path.join(d, "log.jsonl"))
-            train(dict(cfg, lime=variant == "lime", seed=seed, out_dir=d, resume=resume, compare=False, seeds=1),
-                  set(explicit) | {"lime", "seed"})
+            mix = {} if variant == "lime" else LIME_PAPER  # --lime_kv, --lime_sources: for LIMe, not the baseline
+            train(dict(cfg, lime=variant == "lime", seed=seed, out_dir=d, resume=resume, compare=False, seeds=1,
+                       **mix), set(explicit) | {"lime", "seed"})
     if not master:
         return None  # rank 0 alone plots, summarizes and analyzes
     print()
