@@ -62,6 +62,15 @@ def setup_device(device, dtype):
     return device, device_type, dtype, ctx, peak
 
 
+def variant_name(config):
+    """A model's variant in words, from its GPTConfig (or a model_args dict): baseline, LIMe, HC-4 (dynamic HC
+    with 4 streams), HC-2-static, LIMe + HC-4."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    n = get("hc_rate", 0)
+    hc = f"HC-{n}" + ("" if get("hc_dynamic", True) else "-static") if n else None
+    return " + ".join([v for v in ("LIMe" if get("lime") else None, hc) if v]) or "baseline"
+
+
 def save_checkpoint(ckpt, out_dir):
     """Write ckpt (a dict of plain types and tensors) to out_dir/ckpt.pt atomically: temp file + rename,
     so a crash mid-write never replaces a good checkpoint with a broken one."""
