@@ -1,10 +1,12 @@
 """
-What does LIMe cost? Times a full training step and counts activation memory, baseline vs LIMe.
+What does LIMe cost (and Hyper-Connections, with --hc_rate)? Times a full training step and counts activation
+memory, baseline vs LIMe (vs HC).
 
     python bench.py                                   # 8 and 32 layers at width 256, plus deep-narrow
     python bench.py --depths=4,16 --repeats=3 --rounds=1 --deep=False
     python bench.py --device=cuda                     # bf16 autocast on CUDA
     python bench.py --fused_mix=False                 # LIMe through the plain formula (PlainMix) instead
+    python bench.py --hc_rate=4                       # also Hyper-Connections (4 streams, dynamic): HC columns
 
 Each configuration runs in a fresh process (so peak memory is its own), and baseline and LIMe alternate
 for --rounds rounds, so that a machine whose speed drifts slows both alike. Per configuration we measure:
@@ -14,7 +16,8 @@ for --rounds rounds, so that a machine whose speed drifts slows both alike. Per 
   peak       peak RSS of the process on CPU (includes the interpreter and torch itself, and the
              allocator's habits), torch.cuda.max_memory_allocated on CUDA: secondary
 and print one table of LIMe / baseline ratios, next to the FLOP ratio from flops_per_token. The time
-ratio is the median over rounds of each round's ratio, with its range over rounds in brackets.
+ratio is the median over rounds of each round's ratio, with its range over rounds in brackets. With
+--hc_rate=n, every round also runs Hyper-Connections with n streams, and HC / baseline ratios follow.
 """
 
 import argparse
@@ -50,11 +53,11 @@ def saved_activation_bytes(fn, exclude=()):
 
 
 def measure(n_layer, n_embd, n_head, block_size, batch_size, vocab_size, lime, device="cpu",
-            warmup=2, repeats=5, seed=0, fused_mix=True):
+            warmup=2, repeats=5, seed=0, fused_mix=True, hc_rate=0, hc_dynamic=True):
     """Build one model and measure it. Returns a dict of plain numbers."""
     torch.manual_seed(seed)
     cfg = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                    n_embd=n_embd, lime=lime, fused_mix=fused_mix)
+                    n_embd=n_embd, lime=lime, fused_mix=fused_mix, hc_rate=hc_rate, hc_dynamic=hc_dynamic)
     model = GPT(cfg).to(device)
     opt = model.configure_optimizers(0.1, 1e-3, device_type=device)
     x = torch.randint(0, vocab_size, (batch_size, block_size), device=device)
@@ -110,6 +113,8 @@ def main(argv=None):
                    "4 heads, block 128, batch 32")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--fused_mix", default="True", help="False: time LIMe's plain formula (PlainMix), not the fast path")
+    p.add_argument("--hc_rate", type=int, default=0, help="n >= 1: also time Hyper-Connections with n streams")
+    p.add_argument("--hc_dynamic", default="True", help="False: static Hyper-Connections (with --hc_rate)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5, help="timed steps per process (median taken)")
     p.add_argument("--rounds", type=int, default=3, help="fresh baseline + LIMe processes per config")
@@ -127,26 +132,38 @@ def main(argv=None):
         rows.append(("24 layers, width 64 (deep)",
                      dict(n_layer=24, n_embd=64, n_head=4, block_size=128, batch_size=32,
                           vocab_size=a.vocab_size)))
-    if min(a.repeats, a.rounds) < 1 or a.warmup < 0:
-        p.error("--repeats and --rounds must be >= 1, --warmup >= 0")
+    if min(a.repeats, a.rounds) < 1 or a.warmup < 0 or a.hc_rate < 0:
+        p.error("--repeats and --rounds must be >= 1, --warmup and --hc_rate >= 0")
+    hc = dict(lime=False, hc_rate=a.hc_rate, hc_dynamic=a.hc_dynamic.lower() in ("true", "1", "yes"))
     print(f"device={a.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"median of {a.repeats} steps after {a.warmup} warm-up, {a.rounds} rounds, "
-          f"LIMe mix: {'fused (FusedMix)' if fused else 'plain formula (PlainMix)'}")
+          f"LIMe mix: {'fused (FusedMix)' if fused else 'plain formula (PlainMix)'}"
+          + (f", HC: {a.hc_rate} streams, {'dynamic' if hc['hc_dynamic'] else 'static'}" if a.hc_rate else ""))
     head = (f"{'config':<28} {'base ms':>8} {'lime ms':>8} {'time x (range)':>20} {'FLOP x':>7} {'act x':>6} "
             f"{'peak x':>7} {'act MiB b/l':>13} {'GFLOP/s b/l':>12}")
+    if a.hc_rate:  # HC / baseline, the same measures
+        head += f" {'hc ms':>8} {'hc time x (range)':>20} {'hc FLOP x':>9} {'hc act x':>8} {'hc peak x':>9}"
     print(head)
     print("-" * len(head))
     for name, cfg in rows:
         runs = [(run_fresh(dict(cfg, lime=False, **common)), run_fresh(dict(cfg, lime=True, fused_mix=fused, **common)))
-                for _ in range(a.rounds)]
-        b, l = ({k: statistics.median(r[i][k] for r in runs) for k in runs[0][i]} for i in (0, 1))
-        ratios = [rl["step_ms"] / rb["step_ms"] for rb, rl in runs]
-        spread = f"{statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})"
-        print(f"{name:<28} {b['step_ms']:8.0f} {l['step_ms']:8.0f} {spread:>20} "
-              f"{l['flops'] / b['flops']:7.3f} {l['act_bytes'] / b['act_bytes']:6.3f} "
-              f"{l['peak_bytes'] / b['peak_bytes']:7.3f} "
-              f"{b['act_bytes'] / 2**20:6.0f}/{l['act_bytes'] / 2**20:<6.0f} "
-              f"{b['gflops_per_s']:5.0f}/{l['gflops_per_s']:<5.0f}", flush=True)
+                + ((run_fresh(dict(cfg, **hc, **common)),) if a.hc_rate else ()) for _ in range(a.rounds)]
+        med = [{k: statistics.median(r[i][k] for r in runs) for k in runs[0][i]} for i in range(len(runs[0]))]
+        b, l = med[0], med[1]
+
+        def spread(i):  # variant i's step time / the baseline's, median over rounds (range)
+            ratios = [r[i]["step_ms"] / r[0]["step_ms"] for r in runs]
+            return f"{statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})"
+        line = (f"{name:<28} {b['step_ms']:8.0f} {l['step_ms']:8.0f} {spread(1):>20} "
+                f"{l['flops'] / b['flops']:7.3f} {l['act_bytes'] / b['act_bytes']:6.3f} "
+                f"{l['peak_bytes'] / b['peak_bytes']:7.3f} "
+                f"{b['act_bytes'] / 2**20:6.0f}/{l['act_bytes'] / 2**20:<6.0f} "
+                f"{b['gflops_per_s']:5.0f}/{l['gflops_per_s']:<5.0f}")
+        if a.hc_rate:
+            h = med[2]
+            line += (f" {h['step_ms']:8.0f} {spread(2):>20} {h['flops'] / b['flops']:9.3f} "
+                     f"{h['act_bytes'] / b['act_bytes']:8.3f} {h['peak_bytes'] / b['peak_bytes']:9.3f}")
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

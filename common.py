@@ -62,6 +62,17 @@ def setup_device(device, dtype):
     return device, device_type, dtype, ctx, peak
 
 
+def variant_name(config):
+    """A model's variant in words, from its GPTConfig (or a model_args dict): baseline, LIMe, LIMe lime_kv=k,
+    HC-4 (dynamic HC with 4 streams), HC-2-static, LIMe + HC-4."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    n = get("hc_rate", 0)
+    hc = f"HC-{n}" + ("" if get("hc_dynamic", True) else "-static") if n else None
+    lime = "LIMe" + "".join(f" {k}={get(k)}" for k, paper in (("lime_kv", "kv"), ("lime_sources", "all"))
+                            if get(k, paper) != paper) if get("lime") else None  # e.g. "LIMe lime_kv=k"
+    return " + ".join([v for v in (lime, hc) if v]) or "baseline"
+
+
 def save_checkpoint(ckpt, out_dir):
     """Write ckpt (a dict of plain types and tensors) to out_dir/ckpt.pt atomically: temp file + rename,
     so a crash mid-write never replaces a good checkpoint with a broken one."""

@@ -11,7 +11,8 @@ A LLaMA-style GPT with one switch, `lime`.
 
 Everything LIMe-specific is in the section "LIMe: the layer-integrated key/value mix" below: read lime_mix()
 and PlainMix first (the formula as written), then FusedMix/_FusedMixFn (the same numbers, fast). The rest is the
-usual LLaMA recipe: RMSNorm, RoPE (rotate-half), SwiGLU, no biases, tied embeddings.
+usual LLaMA recipe: RMSNorm, RoPE (rotate-half), SwiGLU, no biases, tied embeddings. A second, independent
+switch, `hc_rate`, gives Hyper-Connections (the paper's other baseline, n residual streams): see HyperConnection.
 """
 
 import math
@@ -36,6 +37,8 @@ class GPTConfig:
     lime_kv: str = "kv"       # LIMe mixes "kv" keys and values (the paper), "k" keys, "v" values (the other: own)
     lime_sources: str = "all" # layers mixed with l's own: "all" 0..l-1 (the paper), "first" 0, "previous" l-1
     rope_theta: float = 10000.0  # RoPE base frequency
+    hc_rate: int = 0          # Hyper-Connections: 0 = off (one residual stream); n >= 1 = n streams (paper: 4)
+    hc_dynamic: bool = True   # HC's weights: True = static + input-dependent (the paper's); False = static only
 
     @property
     def mlp_hidden(self):
@@ -319,18 +322,72 @@ class MLP(nn.Module):
         return self.dropout(self.down(F.silu(self.gate(x)) * self.up(x)))
 
 
+# Hyper-Connections (HC; Zhu et al. 2024, arXiv 2409.19606; GPTConfig.hc_rate = n >= 1): the residual stream
+# becomes n streams h (B, T, n, D), the token embedding in each at the start, summed at the end. Around attention
+# and around the MLP, a hyper-connection replaces "x + f(norm(x))" by two steps (the functions next to Block):
+#   width (read):   mix = alpha^T @ h, (n+1, D) per token; f reads LayerNorm(mix[0]), mix[1..n] carry on
+#   depth (write):  stream i = beta_i * f(...) + mix[1 + i]
+# alpha (n, n+1) starts as [e_{l mod n} | I], beta (n,) as ones; dynamic HC adds scale * tanh(LayerNorm(h) @ fn),
+# zero at init (fn = 0). Names, shapes and init are the reference code's (src/lm/hc.py in corl-team/lime).
+
+class HyperConnection(nn.Module):
+    """The learned weights of one hyper-connection, around the sub-layer of block `layer`."""
+
+    def __init__(self, config, layer):
+        super().__init__()
+        n, D = config.hc_rate, config.n_embd
+        alpha = torch.cat([torch.zeros(n, 1), torch.eye(n)], dim=1)  # (n, n+1): [e_{l mod n} | I]
+        alpha[layer % n, 0] = 1.0
+        self.static_alpha = nn.Parameter(alpha)
+        self.static_beta = nn.Parameter(torch.ones(n))
+        self.dynamic = config.hc_dynamic
+        if self.dynamic:
+            self.dynamic_alpha_fn = nn.Parameter(torch.zeros(D, n + 1))
+            self.dynamic_alpha_scale = nn.Parameter(torch.full((1,), 0.01))
+            self.dynamic_beta_fn = nn.Parameter(torch.zeros(D))
+            self.dynamic_beta_scale = nn.Parameter(torch.full((1,), 0.01))
+
+
+def width_connection(hc, h):
+    """Read from the streams h (B, T, n, D): the sub-layer's input (B, T, D), then for the write: carry, beta."""
+    alpha, beta = hc.static_alpha, hc.static_beta                                       # (n, n+1), (n,)
+    if hc.dynamic:                                                    # + a term that depends on each token's h
+        hn = F.layer_norm(h, h.shape[-1:], eps=1e-5)                                     # (B, T, n, D)
+        alpha = alpha + hc.dynamic_alpha_scale * torch.tanh(hn @ hc.dynamic_alpha_fn)    # (B, T, n, n+1)
+        beta_in = (hn @ hc.dynamic_beta_fn.unsqueeze(-1)).squeeze(-1)                    # (B, T, n)
+        beta = beta + hc.dynamic_beta_scale * torch.tanh(beta_in)                        # (B, T, n)
+    with torch.autocast(h.device.type, enabled=False):  # the streams are the residual: no bf16 rounding
+        mix = alpha.to(h.dtype).mT @ h                                                  # (B, T, n+1, D)
+    return mix[..., 0, :].contiguous(), mix[..., 1:, :], beta  # (a copy: backward then keeps D floats, not n+1)
+
+
+def depth_connection(out, carry, beta):
+    """Write back: stream i = beta_i * out + carry_i. out: the sub-layer's output (B, T, D) -> (B, T, n, D)."""
+    return beta.unsqueeze(-1) * out.unsqueeze(-2) + carry
+
+
 class Block(nn.Module):
 
     def __init__(self, config, layer):
         super().__init__()
-        self.ln_1 = RMSNorm(config.n_embd)
+        hc = config.hc_rate > 0  # HC: weight-free LayerNorms (eps 1e-5) in place of the RMSNorms
+        norm = lambda: nn.LayerNorm(config.n_embd, elementwise_affine=False) if hc else RMSNorm(config.n_embd)
+        self.ln_1 = norm()
         self.attn = CausalSelfAttention(config, layer)
-        self.ln_2 = RMSNorm(config.n_embd)
+        self.ln_2 = norm()
         self.mlp = MLP(config)
+        self.hc_attn = HyperConnection(config, layer) if hc else None  # around attention
+        self.hc_mlp = HyperConnection(config, layer) if hc else None   # around the MLP
 
     def forward(self, x, cos, sin, mixer=None, cache=None):
-        x = x + self.attn(self.ln_1(x), cos, sin, mixer, cache)
-        return x + self.mlp(self.ln_2(x))
+        """x: the residual stream (B, T, C); with HC the n streams (B, T, n, C)."""
+        if self.hc_attn is None:
+            x = x + self.attn(self.ln_1(x), cos, sin, mixer, cache)
+            return x + self.mlp(self.ln_2(x))
+        u, carry, beta = width_connection(self.hc_attn, x)
+        x = depth_connection(self.attn(self.ln_1(u), cos, sin, mixer, cache), carry, beta)
+        u, carry, beta = width_connection(self.hc_mlp, x)
+        return depth_connection(self.mlp(self.ln_2(u)), carry, beta)
 
 
 class GPT(nn.Module):
@@ -349,6 +406,8 @@ class GPT(nn.Module):
                 raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}")
             if value != paper and not config.lime:
                 raise ValueError(f"{name}={value!r} changes LIMe's mix, but lime=False: set lime=True")
+        if config.hc_rate < 0:
+            raise ValueError(f"hc_rate={config.hc_rate}: use 0 (no Hyper-Connections) or n >= 1 streams")
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
@@ -407,6 +466,8 @@ class GPT(nn.Module):
             raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, "
                              f"got {tuple(targets.shape)}")
         x = self.transformer.drop(self.transformer.wte(idx))              # (B, T, C)
+        if self.config.hc_rate:                                           # HC: the embedding in every stream
+            x = x.unsqueeze(2).expand(B, T, self.config.hc_rate, x.shape[-1])  # (B, T, n, C)
         cos, sin = self.rope_cos[past:past + T], self.rope_sin[past:past + T]  # (T, hd)
         mixer = None  # LIMe: what each layer's attention reads its keys/values from (PlainMix or FusedMix)
         if self.config.lime:
@@ -415,6 +476,8 @@ class GPT(nn.Module):
             mixer = FusedMix(routers, self.kv_scratch, c.lime_kv) if c.fused_mix else PlainMix(routers, c.lime_kv)
         for block in self.transformer.h:
             x = block(x, cos.to(x.dtype), sin.to(x.dtype), mixer, cache)
+        if self.config.hc_rate:
+            x = x.sum(2)                                                  # (B, T, C): HC, the sum of the streams
         logits = self.lm_head(self.transformer.ln_f(x))                   # (B, T, vocab_size)
         loss = None
         if targets is not None:
@@ -426,24 +489,29 @@ class GPT(nn.Module):
         """Forward FLOPs per token of a length-T training sequence, 2 per multiply-add.
         Counted: every weight matmul (2*m*n; the tied LM head 2*D*V, the embedding lookup 0), attention's
         QK^T and AV over the FULL T x T square (what the math SDPA kernel and FlopCounterMode count; a
-        causal flash kernel skips about half), and each LIMe mix: 2*(l+1)*H*H*hd for keys, same for values
-        (lime_kv "k" or "v": the one mixed). A restricted lime_sources still pays for all (l+1)*H columns: the mix
-        multiplies the masked ones by their zeros. Not counted: norms, RoPE, softmax, SiLU and other elementwise
-        work. Training = 3x this."""
+        causal flash kernel skips about half), each LIMe mix: 2*(l+1)*H*H*hd for keys, same for values (lime_kv
+        "k" or "v": the one mixed; a restricted lime_sources still pays for all (l+1)*H columns: the mix multiplies
+        the masked ones by their zeros), and in each of HC's 2 hyper-connections per block: alpha^T @ h,
+        2*(n+1)*n*D, and if dynamic LayerNorm(h) @ fn for alpha and beta, 2*n*D*(n+1) + 2*n*D. Not counted: norms,
+        RoPE, softmax, SiLU and other elementwise work (HC's beta * out write-back too). Training = 3x this."""
         c = self.config
         D, H, hd = c.n_embd, c.n_head, c.n_embd // c.n_head
         layer = 2 * D * 3 * D + 2 * D * D + 3 * 2 * D * c.mlp_hidden + 2 * 2 * T * D
         mix = sum(2 * len(c.lime_kv) * (l + 1) * H * H * hd for l in range(1, c.n_layer)) if c.lime else 0
-        return c.n_layer * layer + mix + 2 * D * c.vocab_size
+        n = c.hc_rate
+        hc = 2 * (n + 1) * n * D + (2 * n * D * (n + 1) + 2 * n * D if c.hc_dynamic else 0)
+        return c.n_layer * (layer + 2 * hc) + mix + 2 * D * c.vocab_size
 
     def configure_optimizers(self, weight_decay, learning_rate, betas=(0.9, 0.95), router_lr=1e-2,
                              device_type="cpu"):
-        """AdamW with three groups: matrices (decayed), norm weights (not decayed) and the LIMe routers
-        (own lr, no decay). Each group remembers its peak lr in "peak_lr" for the lr schedule."""
+        """AdamW with three groups: matrices and HC's dynamic weights and scales (decayed), norm weights and
+        HC's static weights (not decayed), and the LIMe routers (own lr, no decay). Each group remembers its
+        peak lr in "peak_lr" for the lr schedule."""
         params = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
         routers = [p for n, p in params if n.endswith("attn.router")]
-        decay = [p for n, p in params if p.dim() >= 2 and not n.endswith("attn.router")]
-        no_decay = [p for n, p in params if p.dim() < 2]
+        decayed = lambda n, p: ".dynamic_" in n if ".hc_" in n else p.dim() >= 2  # HC's: any dim, as the reference
+        decay = [p for n, p in params if decayed(n, p) and not n.endswith("attn.router")]
+        no_decay = [p for n, p in params if not decayed(n, p)]
         groups = [dict(params=decay, weight_decay=weight_decay, lr=learning_rate),
                   dict(params=no_decay, weight_decay=0.0, lr=learning_rate)]
         if routers:

@@ -19,7 +19,7 @@ from contextlib import nullcontext
 import torch
 
 from prepare_data import encode_problem, get_tokenizer, parse_expression, problem_tokens, problem_text, task_answer
-from common import load_checkpoint, setup_device
+from common import load_checkpoint, setup_device, variant_name
 
 SEPARATOR = "---------------"
 
@@ -136,7 +136,7 @@ def main(argv=None):
     tok = get_tokenizer(ckpt["meta"])
     prompt = read_prompt(args.start)
     ids = encode_prompt(tok, prompt, model.config.block_size)
-    variant = "LIMe" if model.config.lime else "baseline"
+    variant = variant_name(model.config)
     print(f"{args.out_dir}: {variant}, iter {ckpt.get('iter_num', '?')}, {model.get_num_params():,} params, "
           f"{ckpt['meta']['tokenizer']} tokenizer, prompt {len(ids)} tokens, on {device} ({dtype})", file=sys.stderr)
 

@@ -64,7 +64,7 @@ SWITCHES = [dict(lime_kv=kv, lime_sources=src) for kv in ("kv", "k", "v") for sr
 
 
 def switch_id(s):
-    return "-".join(s.values()) if isinstance(s, dict) else None
+    return "-".join(map(str, s.values())) if isinstance(s, dict) else None
 
 
 @pytest.mark.parametrize("switches", SWITCHES, ids=switch_id)
@@ -411,19 +411,29 @@ def test_bench_measure_and_table_tiny(capsys):
         cfg = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16, lime=v)
         assert r["flops"] == 3 * GPT(cfg).flops_per_token(8) * 2 * 8
     assert 0 < lime["act_bytes"] - base["act_bytes"] <= 2 * 2 * 8 * 16 * 4 * 2  # one raw K/V per layer
+    hc = bench.measure(**shape, lime=False, hc_rate=2, warmup=1, repeats=2)
+    assert hc["flops"] == 3 * GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16,
+                                            hc_rate=2)).flops_per_token(8) * 2 * 8
     bench.main(["--depths=2", "--n_embd=16", "--n_head=2", "--block_size=8", "--batch_size=2",
-                "--vocab_size=11", "--deep=False", "--warmup=0", "--repeats=1", "--rounds=1"])
+                "--vocab_size=11", "--deep=False", "--warmup=0", "--repeats=1", "--rounds=1", "--hc_rate=2"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("2 layers")]
     assert len(rows) == 1
     assert float(rows[0][8]) == pytest.approx(lime["flops"] / base["flops"], abs=1e-3)  # FLOP x column
     assert float(rows[0][9]) == pytest.approx(lime["act_bytes"] / base["act_bytes"], abs=1e-3)
+    assert float(rows[0][-3]) == pytest.approx(hc["flops"] / base["flops"], abs=1e-3)  # HC's FLOP x, act x
+    assert float(rows[0][-2]) == pytest.approx(hc["act_bytes"] / base["act_bytes"], abs=1e-3)
+    assert hc["act_bytes"] > base["act_bytes"]
 
 
-@pytest.mark.parametrize("lime, switches", [(False, {}), (True, {})] + [(True, s) for s in SWITCHES[1:]],
-                         ids=switch_id)
+@pytest.mark.parametrize("lime, switches", [(False, {}), (True, {})] + [(True, s) for s in SWITCHES[1:]] +
+                         [(False, dict(hc_rate=4)), (True, dict(hc_rate=2, hc_dynamic=False))], ids=switch_id)
 def test_kv_cache_generation_matches_uncached(lime, switches):
+    """Greedy generation through the KV cache equals the uncached argmax, past block_size too, for every LIMe
+    switch (HC: the cache is attention's alone, the streams are recomputed for the new tokens)."""
     model = make(lime, **switches).eval()
     randomize_routers(model)
+    if switches.get("hc_rate"):
+        port_reference_hc(model, reference_hc_weights(model))
     bs = model.config.block_size
     idx = torch.randint(0, 61, (2, 5))
     out = model.generate(idx, max_new_tokens=2 * bs, temperature=0)
@@ -574,6 +584,220 @@ def test_markdown_links_resolve(tmp_path):
                                         "![gone](assets/gone.png) [bad anchor](docs/a.md#bottom)\n")
     assert markdown_link_errors(str(tmp_path), ["README.md", "docs/a.md"]) == [
         "README.md: assets/gone.png: no such file", "README.md: docs/a.md#bottom: no heading #bottom"]
+
+
+# ----------------------------------------------------------------------------- lime.py: Hyper-Connections
+
+HC_NAMES = ("static_alpha", "static_beta", "dynamic_alpha_fn", "dynamic_alpha_scale", "dynamic_beta_fn",
+            "dynamic_beta_scale")
+
+
+def hc_modules(model):
+    """[(layer, "hc_attn" | "hc_mlp", HyperConnection)] of an HC model."""
+    return [(l, name, getattr(b, name)) for l, b in enumerate(model.transformer.h) for name in ("hc_attn", "hc_mlp")]
+
+
+def reference_hc_weights(model, seed=2):
+    """Random HC weights for model's shape under the reference code's names (model.layers.{l}.hc_attn.static_alpha,
+    ...; src/lm/hc.py in corl-team/lime) and shapes, far from init so every term matters."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{l}.{name}.{k}": torch.randn(getattr(hc, k).shape, generator=g, dtype=torch.float64) * 0.5
+            for l, name, hc in hc_modules(model) for k in HC_NAMES if hasattr(hc, k)}
+
+
+def port_reference_hc(model, ref):
+    """Load the reference-named HC weights into model: model.layers.{l}.X -> transformer.h.{l}.X."""
+    missing, unexpected = model.load_state_dict({"transformer.h." + k[len("model.layers."):]: v
+                                                 for k, v in ref.items()}, strict=False)
+    assert not unexpected and not any(".hc_" in k for k in missing)
+
+
+def reference_hc_forward(model, ref, idx, n, dynamic):
+    """The HC model's logits written out from DESIGN.md § Hyper-Connections, independently of lime.py's HC code:
+    the n streams as a Python list, every mix a loop over streams, LayerNorm by hand. It borrows the model's
+    embedding, attention, MLP, final norm and head (with a plain LIMe mix if the model has LIMe)."""
+    T = idx.shape[1]
+    cos, sin = model.rope_cos[:T].double(), model.rope_sin[:T].double()
+    mixer = PlainMix(routers(model)) if model.config.lime else None
+
+    def layer_norm(x):  # over the last dim, no weight, eps 1e-5
+        mu = x.mean(-1, keepdim=True)
+        return (x - mu) / torch.sqrt(((x - mu) ** 2).mean(-1, keepdim=True) + 1e-5)
+
+    h = [model.transformer.wte(idx)] * n                                   # n streams, each (B, T, D)
+    for l, block in enumerate(model.transformer.h):
+        for name, f in (("hc_attn", lambda u: block.attn(u, cos, sin, mixer)), ("hc_mlp", block.mlp)):
+            w = {k: ref.get(f"model.layers.{l}.{name}.{k}") for k in HC_NAMES}
+            alpha = [[w["static_alpha"][i, j] for j in range(n + 1)] for i in range(n)]
+            beta = [w["static_beta"][i] for i in range(n)]
+            if dynamic:  # alpha[i][j], beta[i] become (B, T, 1): per token
+                hn = [layer_norm(s) for s in h]
+                alpha = [[alpha[i][j] + w["dynamic_alpha_scale"] * torch.tanh(hn[i] @ w["dynamic_alpha_fn"][:, j:j + 1])
+                          for j in range(n + 1)] for i in range(n)]
+                beta = [beta[i] + w["dynamic_beta_scale"] * torch.tanh(hn[i] @ w["dynamic_beta_fn"][:, None])
+                        for i in range(n)]
+            mix = [sum(alpha[i][j] * h[i] for i in range(n)) for j in range(n + 1)]  # width: mix_j = sum_i a_ij h_i
+            out = f(layer_norm(mix[0]))
+            h = [beta[i] * out + mix[1 + i] for i in range(n)]                     # depth
+    return model.lm_head(model.transformer.ln_f(sum(h)))
+
+
+@pytest.mark.parametrize("n,dynamic,lime", [(1, False, False), (2, False, False), (4, True, False), (3, True, True)])
+def test_hc_port_of_reference_weights_gives_reference_logits(n, dynamic, lime):
+    """Reference-named HC weights ported into lime.py's HC model give the logits of the formula (float64)."""
+    model = make(lime, dtype=torch.float64, n_layer=3, hc_rate=n, hc_dynamic=dynamic)
+    randomize_routers(model)
+    ref = reference_hc_weights(model)
+    port_reference_hc(model, ref)
+    idx = torch.randint(0, 61, (2, 16))
+    logits = model(idx)[0]
+    expected = reference_hc_forward(model, ref, idx, n, dynamic)
+    assert torch.allclose(logits, expected, atol=1e-10, rtol=0)
+    assert not torch.allclose(logits, make(lime, dtype=torch.float64, n_layer=3)(idx)[0], atol=1e-3)
+
+
+def test_hc_init_and_parameters():
+    """alpha = [e_{l mod n} | I], beta = 1; dynamic: zero projections, scales 0.01, as the reference code. The
+    blocks' norms have no weights; every other weight is the baseline's (same seed)."""
+    n, D, L = 3, 32, 5
+    static, dynamic, base = make(False, n_layer=L, hc_rate=n, hc_dynamic=False), \
+        make(False, n_layer=L, hc_rate=n), make(False, n_layer=L)
+    for model in (static, dynamic):
+        for l, _, hc in hc_modules(model):
+            expected = torch.cat([torch.zeros(n, 1), torch.eye(n)], dim=1)
+            expected[l % n, 0] = 1
+            assert torch.equal(hc.static_alpha, expected) and torch.equal(hc.static_beta, torch.ones(n))
+            if model is dynamic:
+                assert torch.equal(hc.dynamic_alpha_fn, torch.zeros(D, n + 1))
+                assert torch.equal(hc.dynamic_beta_fn, torch.zeros(D))
+                assert hc.dynamic_alpha_scale.tolist() == hc.dynamic_beta_scale.tolist() == [pytest.approx(0.01)]
+        sd = model.state_dict()
+        for k, v in base.state_dict().items():
+            assert k.endswith(("ln_1.weight", "ln_2.weight")) or torch.equal(v, sd[k]), k
+    per_hc = n * (n + 1) + n
+    assert static.get_num_params() - base.get_num_params() == L * 2 * (per_hc - D)   # (minus the 2 RMSNorms)
+    assert dynamic.get_num_params() - base.get_num_params() == L * 2 * (per_hc + D * (n + 1) + D + 2 - D)
+
+
+def test_hc_rate_1_static_is_baseline_with_layernorms():
+    """At rate 1, static, at init (alpha = [1 | 1], beta = 1): h + f(LayerNorm(h)), i.e. the baseline with
+    each block's two RMSNorms replaced by weight-free LayerNorms (eps 1e-5)."""
+    base, hc = make(False, dtype=torch.float64), make(False, dtype=torch.float64, hc_rate=1, hc_dynamic=False)
+    for b in base.transformer.h:
+        b.ln_1, b.ln_2 = (torch.nn.LayerNorm(32, eps=1e-5, elementwise_affine=False) for _ in range(2))
+    idx = torch.randint(0, 61, (3, 16))
+    assert (hc(idx)[0] - base(idx)[0]).abs().max().item() <= 1e-12
+    assert not torch.allclose(hc(idx)[0], make(False, dtype=torch.float64)(idx)[0], atol=1e-4)  # RMSNorm differs
+
+
+def test_hc_streams_in_and_out():
+    """The embedding enters every stream; the final norm reads the sum of the streams the last block wrote."""
+    model = make(False, hc_rate=3, n_layer=2)
+    port_reference_hc(model, {k: v.float() for k, v in reference_hc_weights(model).items()})
+    seen = {}
+    model.transformer.h[0].register_forward_pre_hook(lambda m, args: seen.update(first=args[0]))
+    model.transformer.h[-1].register_forward_hook(lambda m, args, out: seen.update(last=out))
+    model.transformer.ln_f.register_forward_pre_hook(lambda m, args: seen.update(final=args[0]))
+    idx = torch.randint(0, 61, (2, 16))
+    model(idx)
+    emb = model.transformer.wte(idx)
+    assert seen["first"].shape == seen["last"].shape == (2, 16, 3, 32)
+    assert all(torch.equal(seen["first"][:, :, i], emb) for i in range(3))
+    assert torch.equal(seen["final"], seen["last"].sum(2))
+    assert not torch.allclose(seen["last"][:, :, 0], seen["last"][:, :, 1])  # the streams differ
+
+
+def test_hc_streams_stay_float32_under_bf16_autocast():
+    """The streams are the residual: under bf16 autocast (the CUDA training path) the width connection mixes them
+    in float32 (as the baseline's residual adds stay float32), not through a bf16 matmul; the loss stays close."""
+    from lime import width_connection
+    for dynamic in (True, False):
+        model = make(False, hc_rate=4, hc_dynamic=dynamic)
+        port_reference_hc(model, reference_hc_weights(model))
+        hc, h = model.transformer.h[1].hc_attn, torch.randn(2, 16, 4, 32)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            u, carry, beta = width_connection(hc, h)
+        assert u.dtype == carry.dtype == beta.dtype == torch.float32
+        if not dynamic:  # (dynamic: alpha itself comes from a bf16 projection under autocast)
+            assert torch.equal(carry, width_connection(hc, h)[1])
+        idx = torch.randint(0, 61, (2, 16))
+        with torch.no_grad():
+            full = model(idx, idx)[1]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                half = model(idx, idx)[1]
+        assert abs(half.item() - full.item()) < 0.02
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_hc_gradcheck(dynamic):
+    """torch.autograd.gradcheck (float64) of the loss w.r.t. every HC weight of a block and the embedding."""
+    model = make(True, dtype=torch.float64, n_layer=2, n_head=2, n_embd=8, block_size=5, vocab_size=11,
+                 hc_rate=3, hc_dynamic=dynamic)
+    port_reference_hc(model, reference_hc_weights(model))
+    idx = torch.randint(0, 11, (2, 5))
+    names = [n for n, _ in model.named_parameters() if n.startswith("transformer.h.1.hc_")] + ["transformer.wte.weight"]
+    params = dict(model.named_parameters())
+
+    def loss(*ws):
+        return torch.func.functional_call(model, {**params, **dict(zip(names, ws))}, (idx, idx))[1]
+
+    inputs = [params[n].detach().clone().requires_grad_() for n in names]
+    assert len(names) == (13 if dynamic else 5)
+    assert torch.autograd.gradcheck(loss, inputs, eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("n,dynamic,lime", [(1, False, False), (2, True, False), (4, False, False), (4, True, True)])
+def test_hc_flops_match_flop_counter(n, dynamic, lime):
+    """flops_per_token counts HC's matmuls exactly (alpha^T @ h; if dynamic the two projections of LayerNorm(h)):
+    forward and backward (= 2x forward) against FlopCounterMode, attention through the math SDPA backend."""
+    shape = dict(n_layer=3, n_head=4, n_embd=32, block_size=24, vocab_size=64)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(lime=lime, hc_rate=n, hc_dynamic=dynamic, **shape))
+    idx = torch.randint(0, 64, (2, 24))
+    expected = model.flops_per_token(24) * 2 * 24
+    with sdpa_kernel(SDPBackend.MATH):
+        with FlopCounterMode(display=False) as fwd:
+            model(idx, idx)
+        with FlopCounterMode(display=False) as both:
+            model(idx, idx)[1].backward()
+    assert fwd.get_total_flops() == expected and both.get_total_flops() == 3 * expected
+    D = 32
+    extra = 2 * (n + 1) * n * D + (2 * n * D * (n + 1) + 2 * n * D if dynamic else 0)  # per hyper-connection
+    plain = GPT(GPTConfig(lime=lime, **shape)).flops_per_token(24)
+    assert model.flops_per_token(24) - plain == 3 * 2 * extra
+
+
+def test_hc_optimizer_groups():
+    """HC's static weights: no weight decay; its dynamic weights and scales (1-D and 1-element too): decayed;
+    all at the base learning rate."""
+    model = make(True, hc_rate=2)
+    opt = model.configure_optimizers(weight_decay=0.1, learning_rate=1e-3, router_lr=1e-2)
+    group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+    assert len(group_of) == sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+    hc = [(n, p) for n, p in model.named_parameters() if ".hc_" in n]
+    assert len(hc) == model.config.n_layer * 2 * 6
+    for n, p in hc:
+        g = group_of[id(p)]
+        assert g["lr"] == g["peak_lr"] == 1e-3, n
+        assert g["weight_decay"] == (0.1 if ".dynamic_" in n else 0.0), n
+
+
+@pytest.mark.parametrize("n,dynamic", [(1, False), (4, False), (4, True)])
+def test_hc_activation_memory(n, dynamic):
+    """What HC keeps for backward, per token and layer, beyond the baseline (float32, bench.py's measure): the
+    n streams for the mix (n*D floats per hyper-connection, 2 per layer), LayerNorm's mean and rstd in place of
+    RMSNorm's one rsqrt (+1); dynamic also LayerNorm(h) (n*D) and the per-token weights: alpha^T and tanh(.)
+    for alpha (2*n*(n+1)), beta and tanh(.) for beta (2n), the streams' LayerNorm mean and rstd (2n)."""
+    from bench import saved_activation_bytes
+    B, T, D = 2, 16, 32
+    per_hc = n * D + 1 + ((n * D + 2 * n * (n + 1) + 4 * n) if dynamic else 0)
+    act = {}
+    for hc in (0, n):
+        for L in (2, 3):
+            model = make(False, n_layer=L, hc_rate=hc, hc_dynamic=dynamic)
+            idx = torch.randint(0, 61, (B, T))
+            act[hc, L] = saved_activation_bytes(lambda: model(idx, idx), list(model.parameters()))[0]
+    assert (act[n, 3] - act[n, 2]) - (act[0, 3] - act[0, 2]) == B * T * 2 * per_hc * 4
 
 
 def test_scripts_import_one_way():
@@ -1048,6 +1272,57 @@ def test_train_frozen_routers_stay_bit_identical(tiny_data, tmp_path):
     assert groups[2]["peak_lr"] == groups[2]["lr"] == 0.0 and groups[2]["weight_decay"] == 0.0 and groups[0]["lr"] > 0
     state = ckpt["optimizer"]["state"]
     assert all(state[i]["exp_avg"].abs().sum() > 0 for i in groups[2]["params"])  # gradients did reach them
+
+
+def test_train_hc_resume_is_exact(tiny_data, tmp_path):
+    """Hyper-Connections through train.py: --hc_rate/--hc_dynamic reach the checkpoint, a resumed run repeats an
+    uninterrupted one, and on resume they are fixed like --lime."""
+    flags = tiny_data("--hc_rate=3", "--dropout=0.1", "--gradient_accumulation_steps=2", "--lr_decay_iters=8")
+    train.main(flags + ["--max_iters=8", f"--out_dir={tmp_path / 'a'}"])
+    train.main(flags + ["--max_iters=4", f"--out_dir={tmp_path / 'b'}"])
+    model, ckpt = common.load_checkpoint(str(tmp_path / "b"))
+    assert ckpt["model_args"]["hc_rate"] == 3 and ckpt["model_args"]["hc_dynamic"] is True
+    assert model.transformer.h[1].hc_mlp.static_alpha.shape == (3, 4)
+    for flag in ("--hc_rate=4", "--hc_dynamic=False", "--hc_rate=0"):
+        with pytest.raises(ValueError, match=f"{flag[2:flag.index('=')]} differs"):
+            train.main([f"--out_dir={tmp_path / 'b'}", "--resume=True", "--max_iters=8", "--device=cpu", flag])
+    train.main([f"--out_dir={tmp_path / 'b'}", "--resume=True", "--max_iters=8", "--device=cpu"])
+    a, b = records(tmp_path / "a"), records(tmp_path / "b")
+    assert [r["iter"] for r in a] == [r["iter"] for r in b] == [0, 2, 4, 6, 8]
+    for ra, rb in zip(a, b):
+        for k in ("train_loss", "val_loss", "lr", "flops"):
+            assert (k in ra) == (k in rb)
+            if k in ra:
+                assert abs(ra[k] - rb[k]) <= 1e-6, (ra, rb)
+    assert a[-1]["flops"] == 3 * model.flops_per_token(16) * 8 * 4 * 16 * 2
+    _, end = common.load_checkpoint(str(tmp_path / "b"))
+    assert not torch.equal(end["model"]["transformer.h.1.hc_mlp.static_alpha"],
+                           ckpt["model"]["transformer.h.1.hc_mlp.static_alpha"])  # it trained HC's weights
+
+
+def test_train_resumes_a_checkpoint_from_before_hc(tiny_data, tmp_path):
+    """A checkpoint written before --hc_rate existed (no hc_* in its config and model_args) resumes as a model
+    without HC; asking for HC on it is refused."""
+    out = str(tmp_path / "old")
+    train.main(tiny_data("--max_iters=4", f"--out_dir={out}"))
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    for d in (ckpt["config"], ckpt["model_args"]):
+        del d["hc_rate"], d["hc_dynamic"]
+    save_checkpoint(ckpt, out)
+    with pytest.raises(ValueError, match="hc_rate differs .checkpoint has 0"):
+        train.main([f"--out_dir={out}", "--resume=True", "--max_iters=6", "--device=cpu", "--hc_rate=2"])
+    assert train.main([f"--out_dir={out}", "--resume=True", "--max_iters=6", "--device=cpu"])["iter"] == 6
+    assert common.load_checkpoint(out)[0].config.hc_rate == 0
+
+
+def test_train_hc_bad_flags(tiny_data, tmp_path):
+    with pytest.raises(ValueError, match="--hc_rate must be at least 0"):
+        train.main(tiny_data("--hc_rate=-1", f"--out_dir={tmp_path / 'a'}"))
+    with pytest.raises(ValueError, match="--compare trains the baseline and LIMe only.*--hc_rate=4"):
+        train.main(tiny_data("--compare", "--hc_rate=4", f"--out_dir={tmp_path / 'b'}"))
+    with pytest.raises(ValueError, match="hc_rate=-1"):
+        GPT(tiny_config(False, hc_rate=-1))
+    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
 
 
 def test_train_passes_over_data(tiny_data, tmp_path, capsys):
@@ -1625,12 +1900,12 @@ def test_train_task_compare_end_to_end(task_data, tmp_path, monkeypatch, capsys)
 SAMPLE_TEXT = "ROMEO: But soft, what light through yonder window breaks?\nJULIET: Ay me!\n" * 20
 
 
-def make_ckpt(out_dir, data_dir, lime=True, block_size=32):
+def make_ckpt(out_dir, data_dir, lime=True, block_size=32, **hc):
     """A tiny untrained GPT saved the way train.py saves one, with a char dataset's meta."""
     meta = prepare(SAMPLE_TEXT, data_dir, tokenizer="char")
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=meta["vocab_size"], block_size=block_size, n_layer=2, n_head=2, n_embd=16,
-                       multiple_of=16, lime=lime)
+                       multiple_of=16, lime=lime, **hc)
     model = GPT(config)
     ckpt = dict(model_args=asdict(config), model=model.state_dict(),
                 optimizer=model.configure_optimizers(0.1, 1e-3).state_dict(), iter_num=0, best_val_loss=9.9,
@@ -1695,6 +1970,28 @@ def test_sample_empty_prompt_starts_from_newline(ckpt_dir, capsys):
 def test_sample_unknown_characters_named(ckpt_dir):
     with pytest.raises(ValueError, match="prompt.*'Z'.*'é'"):
         sample.main([f"--out_dir={ckpt_dir}", "--start=ZéRO", "--device=cpu"])
+
+
+def test_sample_hc_checkpoint_round_trip(tmp_path, capsys):
+    """An HC checkpoint (plain types, loaded with weights_only=True) gives back the same logits; sample.py
+    generates from it through the KV cache, and names the variant."""
+    out = str(tmp_path / "out")
+    make_ckpt(out, str(tmp_path / "data" / "tiny"), lime=False, hc_rate=4)
+    model, ckpt = common.load_checkpoint(out)
+    port_reference_hc(model, reference_hc_weights(model))
+    save_checkpoint(dict(ckpt, model=model.state_dict()), out)
+    loaded, _ = common.load_checkpoint(out)
+    idx = torch.randint(0, model.config.vocab_size, (2, 20))
+    assert torch.equal(loaded(idx)[0], model(idx)[0])
+    assert loaded.config.hc_rate == 4 and loaded.config.hc_dynamic
+    samples, err = run_main(capsys, f"--out_dir={out}", "--start=ROMEO:", "--num_samples=2", "--max_new_tokens=40",
+                            "--device=cpu")
+    assert len(samples) == 2 and all(len(s) == len("ROMEO:") + 40 + 1 for s in samples)
+    assert f"{out}: HC-4, iter 0" in err
+    names = [common.variant_name(GPTConfig(**kw)) for kw in (dict(), dict(lime=True), dict(hc_rate=2, hc_dynamic=False),
+                                                           dict(lime=True, hc_rate=4))]
+    assert names == ["baseline", "LIMe", "HC-2-static", "LIMe + HC-4"]
+    assert common.variant_name(dict(lime=False)) == "baseline"  # model_args of a checkpoint from before HC
 
 
 def test_sample_missing_checkpoint(tmp_path):

@@ -4,6 +4,7 @@ Train a GPT with or without LIMe, or both on identical data, and compare loss ag
     python prepare_data.py                         # once: makes data/quickstart
     python train.py --compare                      # baseline, then LIMe: ~4 min on 2 CPU cores -> out-compare/
     python train.py --lime=True --out_dir=out-lime # one variant
+    python train.py --hc_rate=4 --out_dir=out-hc   # Hyper-Connections, 4 streams (the paper's other baseline)
     python train.py --compare --seeds=3 --out_dir=out-seeds   # 3 seeds per variant: mean curves, min-max bands
     python train.py --compare --preset=gpu --out_dir=out-gpu  # bigger model for one GPU; --preset=deep: 24 narrow layers
     python train.py --plot out-compare             # redraw the figure and summary from the logs
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import (check_dataset, fixed_val_batches, load_weights, read_checkpoint, sample_batch, save_checkpoint,
-                    setup_device)
+                    setup_device, variant_name)
 from lime import GPT, GPTConfig, LIME_KV, LIME_SOURCES
 from prepare_data import atomic_file, load_meta, load_rows, load_tokens, task_answer
 
@@ -66,6 +67,8 @@ FLAGS = [  # name, type, default, help
                                  "the paper), first (layer 0), previous (the one before)"),
     ("fused_mix", bool, True, "LIMe's mix: True the fast shared-buffer path; False the plain formula, layer "
                               "by layer (same numbers; slower, O(n_layer^2) memory: for reading and checking)"),
+    ("hc_rate", int, 0, "Hyper-Connections (the paper's other baseline): 0 = off; n = n residual streams (paper: 4)"),
+    ("hc_dynamic", bool, True, "HC's mixing weights: True static + input-dependent (the paper's); False static only"),
     ("max_iters", int, None, "optimizer steps"),
     ("eval_interval", int, None, "evaluate (and checkpoint) every this many steps, and at the end"),
     ("eval_iters", int, None, "fixed validation batches per evaluation"),
@@ -132,10 +135,12 @@ PRESETS = {
 RUNTIME = {"out_dir", "device", "dtype", "compile", "fused_mix", "resume", "compare", "seeds", "plot", "analyze",
            "preset", "depths"}
 # on --resume these must match the checkpoint if given explicitly: the run would no longer be the same run
-RESUME_FIXED = ["dataset", "n_layer", "n_head", "n_embd", "block_size", "lime", "lime_kv", "lime_sources", "seed",
-                "batch_size", "gradient_accumulation_steps"]
-# LIMe's mix as in the paper: what a baseline passes to the model, and what checkpoints from before these flags used
+RESUME_FIXED = ["dataset", "n_layer", "n_head", "n_embd", "block_size", "lime", "lime_kv", "lime_sources", "hc_rate",
+                "hc_dynamic", "seed", "batch_size", "gradient_accumulation_steps"]
+# LIMe's mix as in the paper and no HC: what a baseline passes to the model, and what checkpoints from before
+# these flags used
 LIME_PAPER = dict(lime_kv="kv", lime_sources="all")
+BEFORE_SWITCHES = dict(LIME_PAPER, hc_rate=0, hc_dynamic=True)
 # what a checkpoint must hold to be resumed from
 RESUME_KEYS = ("model_args", "model", "optimizer", "iter_num", "best_val_loss", "config", "rng_cpu")
 
@@ -143,7 +148,7 @@ RESUME_KEYS = ("model_args", "model", "optimizer", "iter_num", "best_val_loss", 
 MAX_PASSES = 2  # a run that sees its training tokens more often than this gets a warning (overfitting, not depth)
 MIN_VALUES = dict(batch_size=1, block_size=1, n_layer=1, n_head=1, n_embd=1, eval_interval=1, eval_iters=1,
                   log_interval=1, gradient_accumulation_steps=1, seeds=1, max_iters=0, warmup_iters=0,
-                  lr_decay_iters=0, min_lr=0, grad_clip=0, weight_decay=0, router_lr=0, seed=0)
+                  lr_decay_iters=0, min_lr=0, grad_clip=0, weight_decay=0, router_lr=0, seed=0, hc_rate=0)
 
 
 def str2bool(s):
@@ -423,7 +428,7 @@ def evaluate(model, batches, ctx, device):
 def resume_config(ckpt, cfg, explicit, path):
     """The checkpoint's config, with runtime flags and explicitly given flags from cfg. Raises ValueError
     naming the field if an explicit flag contradicts the checkpoint."""
-    saved = {**LIME_PAPER, **ckpt["config"]} if isinstance(ckpt["config"], dict) else {}
+    saved = {**BEFORE_SWITCHES, **ckpt["config"]} if isinstance(ckpt["config"], dict) else {}
     missing = [k for k in RESUME_FIXED if k not in saved]
     if missing:
         raise ValueError(f"{path} is not a usable checkpoint: its config lacks {', '.join(missing)} (not written "
@@ -499,9 +504,10 @@ def train(cfg, explicit=()):
     model_args = asdict(GPTConfig(vocab_size=meta["vocab_size"], block_size=cfg["block_size"],
                                   n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"],
                                   dropout=cfg["dropout"], lime=cfg["lime"], fused_mix=cfg["fused_mix"],
-                                  lime_kv=cfg["lime_kv"], lime_sources=cfg["lime_sources"]))
+                                  lime_kv=cfg["lime_kv"], lime_sources=cfg["lime_sources"],
+                                  hc_rate=cfg["hc_rate"], hc_dynamic=cfg["hc_dynamic"]))
     if ckpt is not None:
-        for k, v in {**LIME_PAPER, **ckpt["model_args"]}.items():
+        for k, v in {**BEFORE_SWITCHES, **ckpt["model_args"]}.items():
             if k not in ("dropout", "fused_mix") and model_args.get(k) != v:  # e.g. the data was re-prepared
                 raise ValueError(f"can't resume from {ckpt_path}: model {k} differs (checkpoint has {v!r}, "
                                  f"now {model_args.get(k)!r})")
@@ -539,8 +545,7 @@ def train(cfg, explicit=()):
     else:
         passes = max_iters * tokens_per_iter / len(train_data)  # how often the run sees each training token
         val_batches = fixed_val_batches(val_data, T, B, cfg["eval_iters"])
-    name = "baseline" if not cfg["lime"] else "LIMe" + "".join(
-        f" {k}={cfg[k]}" for k in LIME_PAPER if cfg[k] != LIME_PAPER[k])  # e.g. "LIMe lime_kv=k"
+    name = variant_name(model_args)
     print(f"{name}: {raw_model.get_num_params() / 1e6:.2f}M params | {flops_per_iter / tokens_per_iter / 1e6:.2f} "
           f"MFLOPs/token (train) | {tokens_per_iter:,} tokens/iter | {device} {dtype} | "
           f"{cfg['data_dir']}/{cfg['dataset']} -> {out_dir}" + (f" | {world} processes" if world > 1 else "")
@@ -1156,6 +1161,9 @@ def main(argv=None):
         return run_analyze(cfg["analyze"], cfg["device"])
     if cfg["depths"] and not cfg["compare"]:
         raise ValueError("--depths is for --compare: python train.py --compare --depths=4,8,16")
+    if cfg["compare"] and cfg["hc_rate"]:
+        raise ValueError("--compare trains the baseline and LIMe only; train Hyper-Connections as a single run: "
+                         "python train.py --hc_rate=4 --out_dir=out-hc")
     if cfg["seeds"] != 1 and not cfg["compare"]:
         raise ValueError("--seeds is for --compare; a single run uses --seed")
     cfg["device"] = setup_ddp(cfg["device"])  # under torchrun: join the other processes, take our own GPU
