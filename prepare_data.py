@@ -246,6 +246,7 @@ def _prepare_cmd(data_dir):
     data_dir = os.path.normpath(data_dir)
     name, parent = os.path.basename(data_dir), os.path.dirname(data_dir)
     cmd = "python prepare_data.py" if name == "quickstart" else \
+          f"python prepare_data.py --tokenizer=gpt2 --name={name}" if name == "shakespeare_gpt2" else \
           f"python prepare_data.py --task=arithmetic --operands={name[10:]}".replace("_p", " --prime=") \
           if re.fullmatch(r"arithmetic\d+(_p\d+)?", name) else \
           f"python prepare_data.py --input=YOUR_TEXT.txt --name={shlex.quote(name)}"

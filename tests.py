@@ -583,6 +583,9 @@ def test_data_load_meta_errors(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"prepare it with: python prepare_data.py$"):
         load_meta("data/quickstart")
+    with pytest.raises(FileNotFoundError, match=r"prepare it with: python prepare_data.py --tokenizer=gpt2 "
+                                                r"--name=shakespeare_gpt2$"):  # the quick start's text in GPT-2 BPE
+        load_meta("data/shakespeare_gpt2")
     with pytest.raises(FileNotFoundError, match=r"python prepare_data.py --input=YOUR_TEXT.txt --name=mine$"):
         load_meta("data/mine")
     with pytest.raises(FileNotFoundError, match=r"--name=mine --data_dir=elsewhere$"):
