@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from lime import GPT, GPTConfig
-from prepare_data import atomic_file
+from prepare_data import atomic_file, same_encoding
 
 
 def sample_batch(data, block_size, batch_size, rng):
@@ -133,11 +133,13 @@ def load_checkpoint(out_dir, device="cpu"):
 def check_dataset(ckpt, meta, data_dir, path):
     """ValueError if the dataset at data_dir (its meta.json: meta) is no longer the one the checkpoint at
     path was trained on, i.e. it was re-prepared from another corpus or tokenizer since. Compares every
-    field of the meta.json copy saved in the checkpoint but "source" (the same text may come from elsewhere)."""
+    field of the meta.json copy saved in the checkpoint but "source" (the same text may come from elsewhere);
+    encodings that tokenize alike (tiktoken's gpt2 and r50k_base) count as the same."""
     old = ckpt.get("meta")
     if not isinstance(old, dict):  # (a checkpoint without a copy: nothing to compare with)
         return
-    diff = next((k for k in old if k != "source" and old[k] != meta.get(k)), None)
+    same = lambda k: old[k] == meta.get(k) or (k == "encoding" and same_encoding(old[k], meta.get(k)))  # gpt2 = r50k_base
+    diff = next((k for k in old if k != "source" and not same(k)), None)
     if diff is not None:
         short = lambda v: repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
         raise ValueError(f"{data_dir} is no longer the dataset {path} was trained on ({diff}: {short(old[diff])} "

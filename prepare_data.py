@@ -4,7 +4,7 @@ Turn a text corpus into data/<name>/{train.bin, val.bin, meta.json} for train.py
     python prepare_data.py                                  # tiny Shakespeare, char-level -> data/quickstart/
     python prepare_data.py --input=my.txt                   # your own UTF-8 text -> data/my/
     python prepare_data.py --input a.txt b.txt --name=ab    # several files, concatenated (or --input=a.txt --input=b.txt)
-    python prepare_data.py --input=my.txt --tokenizer=gpt2  # GPT-2 BPE via tiktoken (needs its files once)
+    python prepare_data.py --input=my.txt --tokenizer=gpt2  # GPT-2 BPE: tiktoken's r50k_base (one file, fetched once)
     python prepare_data.py --task=arithmetic --operands=6   # synthetic task -> data/arithmetic6/ (see below)
 
 With no network the default falls back to a corpus every Python ships with: the reference docs
@@ -38,8 +38,13 @@ import numpy as np
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 DATASET_FILES = {"train.bin", "val.bin", "test.bin", "meta.json"}  # what a dataset folder may hold
-GPT2_URLS = ["https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
-             "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json"]
+# --tokenizer=gpt2 is tiktoken's r50k_base: GPT-2's 50,257 ranks, split pattern and <|endoftext|> in one 0.8 MB
+# file, hash-checked and cached by tiktoken. Its "gpt2" encoding is the same BPE from two files (vocab.bpe +
+# encoder.json); datasets made with it (or made before meta.json named the encoding) read back as r50k_base
+GPT2_ENCODING = "r50k_base"
+GPT2_ENCODINGS = {"gpt2", "r50k_base"}  # tiktoken names of GPT-2's BPE
+GPT2_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
+GPT2_CACHE_NAME = hashlib.sha1(GPT2_URL.encode()).hexdigest()  # the file name tiktoken caches it under
 
 # -----------------------------------------------------------------------------
 # writing files atomically (every script writes through this)
@@ -102,16 +107,21 @@ class TiktokenTokenizer:
     def decode(self, ids):
         return self.enc.decode([int(i) for i in ids])
 
-def load_gpt2():
-    """tiktoken's GPT-2 encoding, failing fast (ValueError) when its BPE files can't be had."""
-    import tiktoken
-    # tiktoken downloads with requests and no timeout, which can hang for minutes on a network
-    # that drops packets. So: if its cache doesn't hold the files, first see whether the server
-    # answers at all (3 s, DNS included; the probe runs in a thread because DNS ignores timeouts)
+def gpt2_cache_file():
+    """Where tiktoken caches r50k_base's file: TIKTOKEN_CACHE_DIR (else DATA_GYM_CACHE_DIR, else a temp
+    folder) / sha1 of its URL, as tiktoken.load.read_file_cached does. None when caching is off ("")."""
     cache = os.environ.get("TIKTOKEN_CACHE_DIR", os.environ.get("DATA_GYM_CACHE_DIR",
                            os.path.join(tempfile.gettempdir(), "data-gym-cache")))
-    cached = cache != "" and all(os.path.exists(os.path.join(cache, hashlib.sha1(u.encode()).hexdigest()))
-                                 for u in GPT2_URLS)
+    return os.path.join(cache, GPT2_CACHE_NAME) if cache else None
+
+def load_gpt2(offline_hint=None):
+    """GPT-2's BPE as tiktoken's r50k_base, failing fast (ValueError) when its file can't be had.
+    offline_hint: the message's advice up to "TIKTOKEN_CACHE_DIR" (default "Set"; prepare_data adds the char tokenizer)."""
+    import tiktoken
+    # tiktoken downloads with requests and no timeout, which can hang for minutes on a network
+    # that drops packets. So: if its cache doesn't hold the file, first see whether the server
+    # answers at all (3 s, DNS included; the probe runs in a thread because DNS ignores timeouts)
+    cached = gpt2_cache_file() is not None and os.path.exists(gpt2_cache_file())  # (None: caching is off)
     reached = []
     def probe():
         try:
@@ -126,23 +136,31 @@ def load_gpt2():
     try:
         if not cached and not reached:
             raise OSError("not cached, and no connection to openaipublic.blob.core.windows.net")
-        return tiktoken.get_encoding("gpt2")
+        return tiktoken.get_encoding(GPT2_ENCODING)
     except Exception as e:
         why = " ".join(f"{type(e).__name__}: {e}".split())[:120]
-        raise ValueError(f"tiktoken could not load the gpt2 encoding, whose files it downloads once ({why}). "
-                         f"Use --tokenizer=char, or set TIKTOKEN_CACHE_DIR to a folder that holds them") from None
+        raise ValueError(f"tiktoken could not load GPT-2's BPE ({GPT2_ENCODING}), one 0.8 MB file it downloads "
+                         f"once ({why}). {offline_hint or 'Set'} TIKTOKEN_CACHE_DIR to a folder that holds it: {GPT2_URL} "
+                         f"saved as {GPT2_CACHE_NAME}") from None
+
+def same_encoding(a, b):
+    """Whether encoding names a and b tokenize alike: "gpt2" and "r50k_base" are one BPE in tiktoken."""
+    return a == b or {a, b} <= GPT2_ENCODINGS
 
 def get_tokenizer(meta, encoding=None):
     """An object with .encode(str) -> list[int], .decode(ids) -> str, .vocab_size, built from meta."""
     if meta["tokenizer"] == "char":
         return CharTokenizer(meta["chars"])
+    name = meta.get("encoding", "gpt2")  # datasets made before meta.json said: tiktoken's "gpt2"
     if encoding is not None:
-        if encoding.name != meta.get("encoding"):
-            raise ValueError(f"dataset was made with encoding {meta.get('encoding')!r}, not {encoding.name!r}")
+        if not same_encoding(encoding.name, name):
+            raise ValueError(f"dataset was made with encoding {name!r}, not {encoding.name!r}")
         return TiktokenTokenizer(encoding)
     if meta["tokenizer"] == "gpt2":
-        return TiktokenTokenizer(load_gpt2())
-    raise ValueError(f"dataset uses the custom tiktoken encoding {meta.get('encoding')!r}: pass it as encoding=")
+        if name not in GPT2_ENCODINGS:
+            raise ValueError(f"meta.json says tokenizer 'gpt2' but encoding {name!r} (expected {GPT2_ENCODING!r})")
+        return TiktokenTokenizer(load_gpt2())  # "gpt2" too: the same ranks, pattern and <|endoftext|>
+    raise ValueError(f"dataset uses the custom tiktoken encoding {name!r}: pass it as encoding=")
 
 # -----------------------------------------------------------------------------
 # corpus -> tokens -> files
@@ -204,8 +222,8 @@ def prepare(text, out_dir, tokenizer="char", val_fraction=0.1, source="text", en
     elif tokenizer in ("gpt2", "tiktoken"):
         enc = encoding if encoding is not None else load_gpt2()
         ids = np.array(enc.encode_ordinary(text), dtype=np.int64)
-        meta["tokenizer"] = "gpt2" if enc.name == "gpt2" else "tiktoken"  # "tiktoken": test-made encodings
-        meta["encoding"] = enc.name
+        meta["tokenizer"] = "gpt2" if enc.name in GPT2_ENCODINGS else "tiktoken"  # "tiktoken": test-made encodings
+        meta["encoding"] = enc.name  # which one made the dataset: readers load it by this name
         meta["vocab_size"] = enc.n_vocab
     else:
         raise ValueError(f"unknown tokenizer {tokenizer!r} (char or gpt2)")
@@ -228,6 +246,7 @@ def _prepare_cmd(data_dir):
     data_dir = os.path.normpath(data_dir)
     name, parent = os.path.basename(data_dir), os.path.dirname(data_dir)
     cmd = "python prepare_data.py" if name == "quickstart" else \
+          f"python prepare_data.py --tokenizer=gpt2 --name={name}" if name == "shakespeare_gpt2" else \
           f"python prepare_data.py --task=arithmetic --operands={name[10:]}".replace("_p", " --prime=") \
           if re.fullmatch(r"arithmetic\d+(_p\d+)?", name) else \
           f"python prepare_data.py --input=YOUR_TEXT.txt --name={shlex.quote(name)}"
@@ -559,7 +578,7 @@ def main(argv=None):
         raise ValueError(f"bad dataset name {name!r}: use a plain folder name, see --name")
     if not 0 < args.val_fraction < 1:
         raise ValueError(f"--val_fraction must be between 0 and 1, got {args.val_fraction}")
-    encoding = load_gpt2() if args.tokenizer == "gpt2" else None  # fail fast, before any download
+    encoding = load_gpt2("Use --tokenizer=char, or set") if args.tokenizer == "gpt2" else None  # fail fast, before any download
 
     if args.input:
         text, source = read_inputs(args.input), "files: " + ", ".join(args.input)
@@ -576,7 +595,8 @@ def main(argv=None):
         was = ", ".join(f"{k}={before.get(k)!r}" for k in changed)
         print(f"note: replaced {out_dir}, which held other data ({was}); runs trained on that data can no longer "
               f"be resumed or analysed")
-    print(f"{out_dir}: {source} | {meta['n_chars']:,} chars | vocab {meta['vocab_size']:,} ({meta['tokenizer']}) | "
+    print(f"{out_dir}: {source} | {meta['n_chars']:,} chars | vocab {meta['vocab_size']:,} ({meta['tokenizer']}"
+          f"{': ' + meta['encoding'] if 'encoding' in meta else ''}) | "
           f"train {meta['train_tokens']:,} / val {meta['val_tokens']:,} tokens ({meta['dtype']})")
     return meta
 

@@ -802,7 +802,7 @@ def test_hc_activation_memory(n, dynamic):
 
 def test_scripts_import_one_way():
     """Scripts share lime.py, prepare_data.py and common.py, never import each other (no cycles); common.py
-    builds on lime.py and prepare_data.py (for atomic_file) alone, and lime.py imports no script and no I/O
+    builds on lime.py and prepare_data.py (atomic_file, same_encoding) alone, and lime.py imports no script and no I/O
     or argument-parsing module."""
     import ast
     allowed = {"lime", "prepare_data", "common"}
@@ -826,11 +826,11 @@ def test_scripts_import_one_way():
 
 DATA_TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 20
 
-def _tiny_encoding(special_tokens=None):
+def _tiny_encoding(special_tokens=None, name="tiny"):
     # a byte-level BPE made up here: the 256 single bytes plus two merges, no download
     ranks = {bytes([i]): i for i in range(256)}
     ranks[b"sp"], ranks[b"spe"] = 256, 257
-    return tiktoken.Encoding(name="tiny", pat_str=r"""\S+|\s+""", mergeable_ranks=ranks,
+    return tiktoken.Encoding(name=name, pat_str=r"""\S+|\s+""", mergeable_ranks=ranks,
                              special_tokens=special_tokens or {})
 
 def _tokens(d):
@@ -872,6 +872,37 @@ def test_data_tiktoken_small_encoding(tmp_path):
     assert tok.vocab_size == 258 and tok.decode(tok.encode(text)) == text
     with pytest.raises(ValueError, match="encoding="):
         get_tokenizer(meta)  # a made-up encoding can't be rebuilt from its name
+
+def test_data_gpt2_is_r50k_base(tmp_path, monkeypatch):
+    # --tokenizer=gpt2 loads tiktoken's r50k_base (GPT-2's BPE in one file), meta.json names it, and readers
+    # load it by that name. A tiny encoding called "r50k_base" stands in for the real one: no download
+    enc = _tiny_encoding(name="r50k_base")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / prepare_data.GPT2_CACHE_NAME).write_bytes(b"")  # as if tiktoken had cached it: no network probe
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+    monkeypatch.setattr(prepare_data.socket, "create_connection", lambda *a, **k: pytest.fail("it is cached"))
+    asked = []
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: asked.append(name) or enc)
+    (tmp_path / "shake.txt").write_text(DATA_TEXT)
+    meta = prepare_data.main([f"--input={tmp_path / 'shake.txt'}", f"--data_dir={tmp_path}", "--tokenizer=gpt2"])
+    d = str(tmp_path / "shake")
+    assert asked == ["r50k_base"] and meta == load_meta(d)
+    assert meta["tokenizer"] == "gpt2" and meta["encoding"] == "r50k_base" and meta["vocab_size"] == 258
+    assert _tokens(d) == enc.encode_ordinary(DATA_TEXT) and 257 in _tokens(d)
+    assert get_tokenizer(load_meta(d)).decode(_tokens(d)) == DATA_TEXT  # the reader loads it from meta alone
+    assert asked == ["r50k_base"] * 2
+    # datasets made before: meta says tiktoken's "gpt2" (the same BPE from two files), or names no encoding
+    old = {k: v for k, v in meta.items() if k != "encoding"}
+    for m in (dict(old, encoding="gpt2"), old):
+        assert get_tokenizer(m).decode(_tokens(d)) == DATA_TEXT
+        common.check_dataset({"meta": m}, meta, d, "ckpt.pt")  # re-preparing it is no change of data
+    assert asked == ["r50k_base"] * 4
+    with pytest.raises(ValueError, match="encoding: 'tiny' then, 'r50k_base' now"):
+        common.check_dataset({"meta": dict(meta, encoding="tiny")}, meta, d, "ckpt.pt")
+    with pytest.raises(ValueError, match="encoding 'cl100k_base'"):
+        get_tokenizer(dict(meta, encoding="cl100k_base"))
+    assert asked == ["r50k_base"] * 4
 
 def test_data_uint32_when_vocab_too_big(tmp_path):
     # a tiktoken vocab of 70001 (one special token with id 70000) must not be stored as uint16
@@ -948,6 +979,9 @@ def test_data_load_meta_errors(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"prepare it with: python prepare_data.py$"):
         load_meta("data/quickstart")
+    with pytest.raises(FileNotFoundError, match=r"prepare it with: python prepare_data.py --tokenizer=gpt2 "
+                                                r"--name=shakespeare_gpt2$"):  # the quick start's text in GPT-2 BPE
+        load_meta("data/shakespeare_gpt2")
     with pytest.raises(FileNotFoundError, match=r"python prepare_data.py --input=YOUR_TEXT.txt --name=mine$"):
         load_meta("data/mine")
     with pytest.raises(FileNotFoundError, match=r"--name=mine --data_dir=elsewhere$"):
@@ -1050,8 +1084,12 @@ def test_data_gpt2_offline_fails_fast(tmp_path, monkeypatch):
         raise OSError("no network in tests")
     monkeypatch.setattr(prepare_data.socket, "create_connection", no_network)
     monkeypatch.setattr(prepare_data, "download", lambda *a, **k: pytest.fail("should fail before downloading"))
-    with pytest.raises(ValueError, match="--tokenizer=char.*TIKTOKEN_CACHE_DIR"):
+    with pytest.raises(ValueError, match="--tokenizer=char.*TIKTOKEN_CACHE_DIR") as e:
         prepare_data.main([f"--data_dir={tmp_path}", "--tokenizer=gpt2"])
+    assert "r50k_base.tiktoken saved as 0ea1e91bbb3a60f729a8dc8f777fd2fc07cd8df4" in str(e.value)  # tiktoken's name
+    assert "\n" not in str(e.value) and os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match=r"\(r50k_base\).*\. Set TIKTOKEN_CACHE_DIR"):  # a reader's: no --tokenizer
+        get_tokenizer({"tokenizer": "gpt2", "encoding": "r50k_base"})
 
 def test_data_cli_error_is_one_line(tmp_path):
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prepare_data.py")
