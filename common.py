@@ -111,7 +111,7 @@ def load_checkpoint(out_dir, device="cpu"):
     path = os.path.join(out_dir, "ckpt.pt")
     if not os.path.exists(path):
         inside = [d for v in find_runs(out_dir) for _, d in v["runs"][:1] if os.path.exists(os.path.join(d, "ckpt.pt"))]
-        hint = (f"it looks like a comparison folder (compare.py): use {inside[-1]}" if inside else
+        hint = (f"it is a comparison folder (compare.py): use one of its runs, e.g. {inside[-1]}" if inside else
                 f"train one with: python train.py --out_dir={out_dir}")
         raise FileNotFoundError(f"no checkpoint at {path}; {hint}")
     ckpt = read_checkpoint(path, device)

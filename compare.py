@@ -52,7 +52,9 @@ VARIANTS = {  # name: the flags it sets, over the command line's. Names may hold
 VARIANT_FLAGS = sorted(({f.name for f in fields(GPTConfig)} & train.FLAG_NAMES) - {"block_size"}
                        | {"learning_rate", "router_lr", "weight_decay", "beta1", "beta2", "grad_clip"})
 
-FLAGS = [f for f in train.FLAGS if f[0] not in ("out_dir", "preset")] + [
+FLAGS = [f for f in train.FLAGS if f[0] not in ("out_dir", "resume", "preset")] + [
+    ("resume", bool, False, "continue the experiment in out_dir: finished runs are kept, the others continue or "
+                            "start"),
     ("out_dir", str, None, "experiment folder (default: out-compare; with --depths out-depth)"),
     ("variants", str, "baseline,lime", "the variants to train, the reference first; see above"),
     ("seeds", int, 1, "train each variant with seeds seed, seed+1, ..."),
@@ -374,52 +376,46 @@ def common_end(logs):
 
 
 def load_logs(out_dir):
-    """-> (find_runs(out_dir), seeds, {variant: [records of each seed]}): the logs of the seeds every variant
-    has one of (the others are left out with a note: still to be trained)."""
+    """-> (find_runs(out_dir), seeds, {variant: [run dir of each seed]}, {run dir: log records}) for the seeds
+    every variant has a log of (the others are left out with a note: still to be trained)."""
     variants = find_runs(out_dir)
     if not variants:
         raise FileNotFoundError(f"no comparison in {out_dir} (no experiment.json, no baseline/ or lime/); make one "
                                 f"with: python compare.py --out_dir={out_dir}")
     log = lambda d: os.path.join(d, "log.jsonl")
-    have = [all(os.path.exists(log(v["runs"][i][1])) for v in variants) for i in range(len(variants[0]["runs"]))]
-    missing = [v["runs"][i][1] for i, ok in enumerate(have) if not ok for v in variants
-               if not os.path.exists(log(v["runs"][i][1]))]
-    if not any(have):
+    missing = [d for v in variants for _, d in v["runs"] if not os.path.exists(log(d))]
+    seeds = [s for i, (s, _) in enumerate(variants[0]["runs"]) if all(v["runs"][i][1] not in missing for v in variants)]
+    if not seeds:
         raise FileNotFoundError(f"no log at {log(missing[0])}; make the runs with: python compare.py --out_dir="
                                 f"{out_dir} (--resume=True to continue them)")
     if missing:
         print(f"note: no log yet at {', '.join(missing)}: comparing the seeds every variant has")
-    seeds = [s for (s, _), ok in zip(variants[0]["runs"], have) if ok]
-    return variants, seeds, {v["name"]: [read_log(log(d)) for (_, d), ok in zip(v["runs"], have) if ok]
-                             for v in variants}
+    dirs = {v["name"]: [d for s, d in v["runs"] if s in seeds] for v in variants}
+    return variants, seeds, dirs, {d: read_log(log(d)) for ds in dirs.values() for d in ds}
 
 
 def report(out_dir):
     """Draw OUT/loss_vs_flops.png (on a task also accuracy_vs_flops.png), write OUT/summary.json and print
     the summary, from the logs alone. Runs that end at different iterations are all compared at the last one
     they all reached, and a summary that compares them further than that is never replaced (ValueError)."""
-    variants, seeds, runs = load_logs(out_dir)
-    dirs = [d for v in variants for s, d in v["runs"] if s in seeds]
-    logs = dict(zip(dirs, [recs for rs in runs.values() for recs in rs]))
+    variants, seeds, dirs, logs = load_logs(out_dir)
     at, ends = common_end(logs)
     cut = any(max(r["iter"] for r in recs) > at for recs in logs.values())
     if cut:
         print(f"note: the runs end at different iterations ({ends}); comparing them all at iter {at}, "
               f"the last one they all reached")
-        runs = {v: [[r for r in recs if r["iter"] <= at] for recs in rs] for v, rs in runs.items()}
+        logs = {d: [r for r in recs if r["iter"] <= at] for d, recs in logs.items()}
+    runs = {v: [logs[d] for d in ds] for v, ds in dirs.items()}  # {variant: [records of each seed]}
     ref = variants[0]["name"]
     summary = dict(seeds=seeds, iter=at, reference=ref, variants=[dict(name=v["name"], dir=v["dir"]) for v in variants],
                    val_loss=summarize(seeds, runs, "val_loss"))
     old = read_summary(out_dir) or {}
-    old_flops = old["baseline"].get("flops") if isinstance(old.get("baseline"), dict) else None  # (train.py's)
-    if (old.get("iter") or 0) > at or "iter" not in old and (old_flops or 0) > summary["val_loss"][ref]["flops"]:
-        where = f"iter {old['iter']}" if "iter" in old else f"{old_flops:.3e} baseline FLOPs"
+    if isinstance(old.get("iter"), int) and old["iter"] > at:  # never a worse-informed figure
         raise ValueError(f"not replacing {out_dir}/summary.json and loss_vs_flops.png: they compare the runs at "
-                         f"{where}, further than the logs now reach ({ends}). Let the runs finish (python compare.py "
-                         f"--resume=True --out_dir={out_dir} and the flags they were made with), or delete "
+                         f"iter {old['iter']}, further than the logs now reach ({ends}). Let the runs finish (python "
+                         f"compare.py --resume=True --out_dir={out_dir} and the flags they were made with), or delete "
                          f"summary.json to plot them as they are")
-    first = next(d for s, d in variants[0]["runs"] if s in seeds)  # the reference's first run here
-    h, title = read_log(os.path.join(first, "log.jsonl"), header=True), ""
+    h, title = read_log(os.path.join(dirs[ref][0], "log.jsonl"), header=True), ""
     if h:
         c, summary["passes"] = h["config"], h.get("passes")
         title = (f"{c['dataset']}: n_layer={c['n_layer']}, n_embd={c['n_embd']}, n_head={c['n_head']}, block_size="
@@ -430,8 +426,8 @@ def report(out_dir):
     paths = [os.path.join(out_dir, "loss_vs_flops.png")]
     plot_compare(paths[0], runs, summary, title)
     if any("accuracy" in r for r in runs[ref][0]):  # a task: accuracy too
-        tests = {(v["name"], s): read_test_accuracy(os.path.join(d, "log.jsonl"), at)
-                 for v in variants for s, d in v["runs"] if s in seeds}
+        tests = {(v, s): read_test_accuracy(os.path.join(d, "log.jsonl"), at)
+                 for v, ds in dirs.items() for s, d in zip(seeds, ds)}
         summary["accuracy"] = summarize(seeds, runs, "accuracy", tests)
         paths.append(os.path.join(out_dir, "accuracy_vs_flops.png"))
         plot_compare(paths[1], runs, summary, title, key="accuracy")
@@ -550,10 +546,10 @@ def sweep_report(out_dir):
                                 f"python compare.py --depths=4,8,16 --out_dir={out_dir}")
     rows = []
     for L in depths:
-        _, seeds, runs = load_logs(os.path.join(out_dir, f"depth{L}"))
+        _, seeds, dirs, logs = load_logs(os.path.join(out_dir, f"depth{L}"))
         row = dict(n_layer=L, seeds=seeds, variants={})
-        for v, rs in runs.items():
-            ends = [final_val(recs) for recs in rs]
+        for v, ds in dirs.items():
+            ends = [final_val(logs[d]) for d in ds]
             losses = [e[1] for e in ends]
             row["variants"][v] = dict(iters=[e[0] for e in ends], val_loss=losses, mean=float(np.mean(losses)),
                                       min=min(losses), max=max(losses), flops=float(np.mean([e[2] for e in ends])))

@@ -1043,6 +1043,25 @@ def test_compare_plot_compares_like_with_like(tmp_path, capsys):
         compare.main([f"--plot={tmp_path}"])
 
 
+def test_compare_plot_while_a_seed_trains(tmp_path, capsys):
+    """experiment.json says which variants, folders and seeds make the comparison: --plot takes the seeds every
+    variant has a log of (a note names the others), in its order, and leaves out folders it doesn't list."""
+    write_logs(tmp_path, {"lime": log([0, 11, 22], [4.0, 2.5, 1.9]), "baseline": log([0, 10, 20], [4.0, 3.0, 2.0]),
+                          "baseline_seed2": log([0, 10, 20], [4.1, 3.1, 2.2]),  # lime_seed2 not started yet
+                          "lime_seed3": log([0, 10], [9.0, 9.0])})  # of another comparison: not in the plan
+    with open(tmp_path / "experiment.json", "w") as f:
+        json.dump(dict(variants=[dict(name="lime", dir="lime", flags=dict(lime=True)),
+                                 dict(name="baseline", dir="baseline", flags=dict(lime=False))], seeds=[1, 2]), f)
+    s = compare.main([f"--plot={tmp_path}"])
+    assert s["seeds"] == [1] and s["reference"] == "lime" and list(s["val_loss"]) == ["lime", "baseline"]
+    assert s["val_loss"]["baseline"]["per_seed"][0]["ratio"] is None  # (2.0 never reaches LIMe's 1.9)
+    assert f"note: no log yet at {tmp_path / 'lime_seed2'}: comparing the seeds every variant has" in capsys.readouterr().out
+    with open(tmp_path / "experiment.json", "w") as f:
+        f.write('{"variants": [{"name": "lime", "dir": "../lime"}], "seeds": [1]}')
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'experiment.json'} is not a plan written by compare.py")):
+        compare.main([f"--plot={tmp_path}"])
+
+
 @pytest.mark.parametrize("damage, error", [
     ("summary not an object", "summary.json is not a summary written by compare.py; delete it"),
     ("summary of other seeds", "summary.json lists seeds 3, 4, but the runs in T are of seeds 1, 2: it belongs to "
@@ -1602,6 +1621,10 @@ def test_sample_unknown_characters_named(ckpt_dir):
 def test_sample_missing_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"ckpt\.pt.*python train\.py"):
         sample.main([f"--out_dir={tmp_path / 'nothing'}", "--device=cpu"])
+    make_ckpt(str(tmp_path / "cmp" / "lime"), str(tmp_path / "data"))  # a comparison folder: points to a run in it
+    with pytest.raises(FileNotFoundError, match=re.escape(f"it is a comparison folder (compare.py): use one of its "
+                                                          f"runs, e.g. {tmp_path / 'cmp' / 'lime'}")):
+        sample.main([f"--out_dir={tmp_path / 'cmp'}", "--device=cpu"])
 
 
 def test_sample_cli_errors_are_one_line(ckpt_dir, tmp_path):

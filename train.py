@@ -76,7 +76,8 @@ FLAGS = [  # name, type, default, help
     ("grad_clip", float, 1.0, "clip the gradient norm to this (0 = off)"),
     ("gradient_accumulation_steps", int, 1, "micro-batches per step, over all processes (a multiple of their number)"),
     ("device", str, "auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps; under torchrun cuda or cpu"),
-    ("dtype", str, "auto", "auto (CUDA: bfloat16 if supported, else float16; float32 elsewhere), float32, ..."),
+    ("dtype", str, "auto", "auto (bfloat16 on CUDA if supported, else float16; float32 elsewhere), "
+                           "float32, bfloat16, float16"),
     ("compile", bool, False, "torch.compile the model"),
     ("seed", int, 1337, "seed of the initial weights and of the data order"),
     ("resume", bool, False, "continue the run in out_dir from its checkpoint"),
@@ -662,11 +663,11 @@ def start_log(path, header, keep_until=None):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    moved = [a for a in argv if a.startswith("--") and a[2:].split("=")[0] in MOVED_TO_COMPARE]
+    moved = [a.split("=")[0] for a in argv if a.split("=")[0] in [f"--{m}" for m in MOVED_TO_COMPARE]]
     if moved:  # a command from before compare.py: say where it went, don't do something else instead
         rest = [a for a in argv if a.split("=")[0] != "--compare"]
-        raise ValueError(f"{moved[0].split('=')[0]} is compare.py's now (train.py trains one model); run: "
-                         f"python compare.py {shlex.join(rest)}".rstrip())
+        raise ValueError(f"{moved[0]} is compare.py's now (train.py trains one model); run: python compare.py "
+                         f"{shlex.join(rest)}".rstrip())
     cfg, explicit = get_config(argv)
     cfg = resolve(cfg)
     cfg["device"] = setup_ddp(cfg["device"])  # under torchrun: join the other processes, take our own GPU
