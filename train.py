@@ -117,7 +117,7 @@ RESUME_KEYS = ("model_args", "model", "optimizer", "iter_num", "best_val_loss", 
 # train.py's flags before compare.py took them over: they now print where to go
 MOVED_TO_COMPARE = ("compare", "seeds", "depths", "variants", "plot", "analyze")
 
-MAX_PASSES = 2  # a run that sees its training tokens more often than this gets a warning (overfitting, not depth)
+MAX_PASSES = 2  # a run that sees its training tokens more often than this gets a warning (it would overfit)
 MIN_VALUES = dict(batch_size=1, block_size=1, n_layer=1, n_head=1, n_embd=1, eval_interval=1, eval_iters=1,
                   log_interval=1, gradient_accumulation_steps=1, max_iters=0, warmup_iters=0,
                   lr_decay_iters=0, min_lr=0, grad_clip=0, weight_decay=0, router_lr=0, seed=0)
