@@ -1,12 +1,12 @@
 """
-The paper's three analyses of a baseline-vs-LIMe comparison run, as figures plus the numbers behind them.
+The paper's three analyses of a comparison (compare.py), as figures plus the numbers behind them.
 
-    python analyze.py out-compare                  # OUT/baseline + OUT/lime -> OUT/*.png, OUT/analysis.json
+    python analyze.py out-compare                  # every variant's run (first seed) -> OUT/*.png, OUT/analysis.json
     python analyze.py out-compare other/lime ...   # extra run dirs join the value-entropy figure
     python analyze.py out-compare --layer=3        # per-head router detail for layer 3 (default: the last)
     python analyze.py out-compare --words=the,and  # other words for the separability probe
 
-1. Router maps (LIMe run). How much layer l reads from each source layer m <= l: for head r of layer l,
+1. Router maps (every LIMe run). How much layer l reads from each source layer m <= l: for head r of layer l,
    share[r, m] = sum_{j in layer m's heads} W_l[r, j]^2 / sum_j W_l[r, j]^2, then the mean over heads r.
    router_map.png: target layer x source layer (layer 0 has no router: all on itself);
    router_heads.png: heads x source layers for one layer. With lime_sources "first" or "previous" the routers
@@ -19,7 +19,7 @@ The paper's three analyses of a baseline-vs-LIMe comparison run, as figures plus
    the hidden states (residual stream after each block): 5-fold CV accuracy, mean +- std, on the same
    number of occurrences of each word from the validation split: separability.png. See separability().
 
-train.py runs this script at the end of --compare, and for `python train.py --analyze OUT`.
+compare.py runs analyze_compare at the end of a comparison, and for `python compare.py --analyze=OUT`.
 """
 
 import argparse
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from prepare_data import CharTokenizer, atomic_file, get_tokenizer, load_meta, load_rows, load_tokens
-from common import check_dataset, fixed_val_batches, load_checkpoint, setup_device
+from common import check_dataset, find_runs, fixed_val_batches, load_checkpoint, setup_device
 from lime import source_mask, source_routers
 
 MAX_BATCHES, MAX_SEQUENCES = 8, 64  # plenty for a stable mean (it varies little across sequences), and
@@ -208,7 +208,7 @@ L2 = 1e-3            # penalty l2/2 * ||W||^2 on top of the MEAN cross-entropy; 
 
 class CantProbe(ValueError):
     """The data can't support the analysis for these words: too few occurrences, a word that isn't one BPE
-    token, or a tokenizer that can't be loaded. Within a plain `analyze.py OUT` (what --compare runs) the
+    token, or a tokenizer that can't be loaded. Within a plain `analyze.py OUT` (what compare.py runs) the
     analysis is skipped with a note; with --words given explicitly it is an error."""
 
 
@@ -431,25 +431,27 @@ def plot_separability(curves, path, title, chance):
 # -----------------------------------------------------------------------------
 # the comparison run
 
-def find_runs(out_dir, extra=()):
-    """{name: run dir}: OUT/baseline and OUT/lime (with several seeds, train.py puts the first seed there),
-    or OUT itself if it is a single run; then the extra run dirs, named by their path."""
-    runs = {name: os.path.join(out_dir, name) for name in ("baseline", "lime")
-            if os.path.exists(os.path.join(out_dir, name, "ckpt.pt"))}
-    if len(runs) == 1:
-        print(f"note: {out_dir}/{({'baseline', 'lime'} - runs.keys()).pop()}/ckpt.pt not found, analysing "
-              f"{out_dir}/{next(iter(runs))} alone", file=sys.stderr)
+def runs_to_analyze(out_dir, extra=()):
+    """{name: run dir}: the first seed's run of every variant of a comparison folder (common.find_runs)
+    that has a checkpoint, or OUT itself if it is a single run; then the extra run dirs, named by their path."""
+    runs = {}
+    for v in find_runs(out_dir):
+        d = v["runs"][0][1]
+        if os.path.exists(os.path.join(d, "ckpt.pt")):
+            runs[v["name"]] = d
+        else:
+            print(f"note: {d}/ckpt.pt not found, leaving {v['name']} out", file=sys.stderr)
     if not runs and os.path.exists(os.path.join(out_dir, "ckpt.pt")):
         runs[os.path.normpath(out_dir)] = out_dir
     runs.update({os.path.normpath(d): d for d in extra})
     if not runs:
-        raise FileNotFoundError(f"no runs in {out_dir} (expected {out_dir}/baseline/ckpt.pt and "
-                                f"{out_dir}/lime/ckpt.pt); make them with: python train.py --compare --out_dir={out_dir}")
+        raise FileNotFoundError(f"no runs in {out_dir} (expected a comparison's run folders, e.g. {out_dir}/baseline/"
+                                f"ckpt.pt); make them with: python compare.py --out_dir={out_dir}")
     return runs
 
 
-def router_figures(model, ckpt, run_dir, out_dir, layer=None):
-    """router_map.png and router_heads.png for one LIMe model; returns their numbers."""
+def router_figures(model, ckpt, run_dir, out_dir, layer=None, suffix=""):
+    """router_map{suffix}.png and router_heads{suffix}.png for one LIMe model; returns their numbers."""
     c = model.config
     l = c.n_layer - 1 if layer is None else layer
     if not 0 <= l < c.n_layer:
@@ -462,27 +464,30 @@ def router_figures(model, ckpt, run_dir, out_dir, layer=None):
                       if getattr(c, k) != paper)
     tag = f"{run_dir} (iter {ckpt.get('iter_num', '?')}{variant})"
     mixed = {"kv": "keys/values", "k": "keys", "v": "values"}[c.lime_kv]
-    plot_shares(S, os.path.join(out_dir, "router_map.png"), f"LIMe: where each layer's {mixed} come from\n{tag}",
+    names = [f"router_map{suffix}.png", f"router_heads{suffix}.png"]
+    plot_shares(S, os.path.join(out_dir, names[0]), f"LIMe: where each layer's {mixed} come from\n{tag}",
                 "source layer m (whose keys/values are read)", "target layer l (the layer reading them)",
                 "share of squared router weight\n(mean over heads)", mask=~readable)
-    plot_shares(HS, os.path.join(out_dir, "router_heads.png"), f"LIMe layer {l}: per-head source layers\n{tag}",
+    plot_shares(HS, os.path.join(out_dir, names[1]), f"LIMe layer {l}: per-head source layers\n{tag}",
                 "source layer m", f"head of layer {l}", "share of squared router weight",
                 mask=np.broadcast_to(~readable[l, :l + 1], HS.shape))
     own = np.diag(S)[1:].mean() if c.n_layer > 1 else 1.0
-    print(f"wrote {out_dir}/router_map.png: layers >= 1 put {own:.0%} of their router weight on their own heads")
-    print(f"wrote {out_dir}/router_heads.png: layer {l}, {c.n_head} heads x {l + 1} source layers")
+    print(f"wrote {out_dir}/{names[0]}: layers >= 1 put {own:.0%} of their router weight on their own heads")
+    print(f"wrote {out_dir}/{names[1]}: layer {l}, {c.n_head} heads x {l + 1} source layers")
     return dict(run=run_dir, lime_kv=c.lime_kv, lime_sources=c.lime_sources, shares=S.tolist(), heads_layer=l,
                 head_shares=HS.tolist(), readable=readable.tolist())
 
 
 def analyze_compare(out_dir, device="cpu", extra=(), layer=None, max_sequences=MAX_SEQUENCES, words=None, seed=0):
-    """Router maps of the LIMe run, value entropy and token separability of every run (OUT/baseline, OUT/lime,
-    extra dirs): writes OUT/{router_map,router_heads,value_entropy,separability}.png and OUT/analysis.json,
-    returns the numbers. words=None: the paper's WORDS, and if the data can't support them the separability
-    is skipped with a note; words given: that is an error (CantProbe)."""
-    runs = find_runs(out_dir, extra)
+    """Router maps of every LIMe run, value entropy and token separability of every run (each variant's first
+    seed in a comparison folder, extra dirs): writes OUT/{router_map,router_heads,value_entropy,separability}.png
+    and OUT/analysis.json, returns the numbers. The first LIMe run's router figures are router_map.png and
+    router_heads.png, a later one's router_map_<its folder>.png and router_heads_<its folder>.png.
+    words=None: the paper's WORDS, and if the data can't support them the separability is skipped with a
+    note; words given: that is an error (CantProbe)."""
+    runs = runs_to_analyze(out_dir, extra)
     explicit, words = words is not None, parse_words(WORDS if words is None else words)
-    result = dict(runs={}, value_entropy=dict(alpha=0.5, how=(
+    result = dict(runs={}, routers={}, value_entropy=dict(alpha=0.5, how=(
         "per layer: the values attention uses, (B, T, d=H*hd) per batch, z-scored per feature over the batch's "
         "sequences and positions; per sequence G = Z Z^T, eigenvalues / trace, H = log(sum lambda^0.5) / 0.5 "
         "(nats); mean over sequences"), per_layer={}, mean={}), separability=dict(
@@ -497,12 +502,13 @@ def analyze_compare(out_dir, device="cpu", extra=(), layer=None, max_sequences=M
     curves, ceilings, sep_curves = {}, set(), {}
     for name, d in runs.items():
         model, ckpt = load_checkpoint(d, device)
-        if model.config.lime and "router" not in result:
-            result["router"] = router_figures(model, ckpt, d, out_dir, layer)
+        if model.config.lime:
+            suffix = f"_{os.path.basename(os.path.normpath(d))}" if result["routers"] else ""
+            result["routers"][name] = router_figures(model, ckpt, d, out_dir, layer, suffix)
         batches = val_inputs(ckpt, max_sequences, os.path.join(d, "ckpt.pt"))
         ent = value_entropy(model, batches)
         loss = ckpt.get("best_val_loss")
-        label = f"{'LIMe' if name == 'lime' else name}, iter {ckpt.get('iter_num', '?')}"
+        label = f"{name}, iter {ckpt.get('iter_num', '?')}"
         curves[label if loss is None else f"{label} (best val loss {loss:.3f})"] = ent
         ceilings.add(math.log(min(batches[0].shape[1], model.config.n_embd)))
         result["runs"][name] = dict(out_dir=d, lime=model.config.lime, iter_num=ckpt.get("iter_num"),
@@ -519,7 +525,7 @@ def analyze_compare(out_dir, device="cpu", extra=(), layer=None, max_sequences=M
             continue
         result["separability"]["per_run"][name] = sep
         sep_curves[f"{label} ({sep['per_word']} per word)"] = sep
-    if "router" not in result:
+    if not result["routers"]:
         print("note: no LIMe run, so no router maps", file=sys.stderr)
     if len({r["iter_num"] for r in result["runs"].values()}) > 1:  # e.g. one of them is still training
         print("note: the runs are at different iterations: " + ", ".join(f"{k} {r['iter_num']}" for k, r in
@@ -546,7 +552,7 @@ def analyze_compare(out_dir, device="cpu", extra=(), layer=None, max_sequences=M
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="router maps, value entropy and token separability of a comparison run")
-    p.add_argument("out_dir", help="the --compare output folder, holding baseline/ and lime/")
+    p.add_argument("out_dir", help="a comparison folder (compare.py), or one run's folder")
     p.add_argument("extra", nargs="*", help="more run dirs (each with ckpt.pt) for the value-entropy figure")
     p.add_argument("--layer", type=int, default=None, help="layer for the per-head router figure (default: last)")
     p.add_argument("--max_sequences", type=int, default=MAX_SEQUENCES,

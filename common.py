@@ -1,9 +1,14 @@
 """
-What train.py, sample.py and analyze.py share, so that no script imports another: the device setup,
-the fixed evaluation batches, and checkpoints (written atomically, read with weights_only=True).
+What train.py, compare.py, sample.py and analyze.py share, so that those three never import one another:
+the device setup, the fixed evaluation batches, checkpoints (written atomically, read with
+weights_only=True), training logs, and where the runs of a comparison folder are.
 """
 
+import json
 import os
+import re
+import sys
+import tempfile
 from contextlib import nullcontext
 
 import numpy as np
@@ -116,8 +121,8 @@ def load_checkpoint(out_dir, device="cpu"):
     """-> (model in eval mode on device, ckpt dict). Loaded with weights_only=True (no pickle code runs)."""
     path = os.path.join(out_dir, "ckpt.pt")
     if not os.path.exists(path):
-        inside = [v for v in ("lime", "baseline") if os.path.exists(os.path.join(out_dir, v, "ckpt.pt"))]
-        hint = (f"it looks like a --compare folder: use {os.path.join(out_dir, inside[0])}" if inside else
+        inside = [d for v in find_runs(out_dir) for _, d in v["runs"][:1] if os.path.exists(os.path.join(d, "ckpt.pt"))]
+        hint = (f"it is a comparison folder (compare.py): use one of its runs, e.g. {inside[-1]}" if inside else
                 f"train one with: python train.py --out_dir={out_dir}")
         raise FileNotFoundError(f"no checkpoint at {path}; {hint}")
     ckpt = read_checkpoint(path, device)
@@ -145,3 +150,128 @@ def check_dataset(ckpt, meta, data_dir, path):
         raise ValueError(f"{data_dir} is no longer the dataset {path} was trained on ({diff}: {short(old[diff])} "
                          f"then, {short(meta.get(diff))} now; trained on {old.get('source')!r}, now holds "
                          f"{meta.get('source')!r}); prepare that data again, or train a new run on this one")
+
+
+# -----------------------------------------------------------------------------
+# run folders (out_dir/ckpt.pt, out_dir/log.jsonl), and the runs of a comparison folder
+
+def run_files(out_dir):
+    """Which of ckpt.pt and log.jsonl out_dir holds: a run lives there if any."""
+    return [f for f in ("ckpt.pt", "log.jsonl") if os.path.exists(os.path.join(out_dir, f))]
+
+
+def make_out_dir(out_dir):
+    """Create out_dir and check that we can write in it, before any work is done (ValueError if not)."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"--out_dir={out_dir} is a file, not a folder; choose another --out_dir")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as e:
+        raise ValueError(f"can't write to --out_dir={out_dir} ({e.strerror or e}); choose a folder you can "
+                         f"write to") from None
+
+
+def read_log(path, header=False):
+    """The records of a log.jsonl (those with "iter"), or with header=True its {"config": ...} header (or
+    None). Lines that don't parse (a run killed mid-write) are skipped."""
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    if header:
+        return next((r for r in records if "config" in r), None)
+    return [r for r in records if "iter" in r]
+
+
+def run_dir(out_dir, folder, i, seed):
+    """Where a comparison puts seed number i (0, 1, ...) of a variant: OUT/<folder> for the first seed
+    (what sample.py and analyze.py read), OUT/<folder>_seed<S> for the others."""
+    return os.path.join(out_dir, folder if i == 0 else f"{folder}_seed{seed}")
+
+
+def read_json(path, ok, what, fix):
+    """The JSON at path if ok(it) says it is `what`, else a ValueError saying so and how to fix it; None if
+    there is no file."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        good = ok(d)
+    except (ValueError, UnicodeDecodeError, LookupError, TypeError):  # (json's decode error is a ValueError)
+        good = False
+    if not good:
+        raise ValueError(f"{path} is not {what}; {fix}")
+    return d
+
+
+def read_summary(out_dir):
+    """OUT/summary.json as a dict (None if there is none); ValueError if it is not a comparison's summary."""
+    return read_json(os.path.join(out_dir, "summary.json"), lambda s: isinstance(s, dict) and isinstance(
+        s.get("seeds"), list) and all(type(x) is int for x in s["seeds"]), "a summary written by compare.py",
+        f"delete it (python compare.py --plot {out_dir} writes a new one from the logs)")
+
+
+def read_experiment(out_dir):
+    """OUT/experiment.json, the plan compare.py writes when a comparison starts: {"variants": [{"name",
+    "dir", "flags"}, ...] (the reference first), "seeds": [...]}; None if there is none."""
+    safe = lambda d: isinstance(d, str) and re.fullmatch(r"[\w.=+-]+", d) and d not in (".", "..")
+    return read_json(os.path.join(out_dir, "experiment.json"), lambda e: e["seeds"] and all(
+        type(s) is int for s in e["seeds"]) and e["variants"] and all(
+        isinstance(v["name"], str) and safe(v["dir"]) for v in e["variants"]), "a plan written by compare.py",
+        "restore it, or run the comparison again into a new --out_dir")
+
+
+def find_runs(out_dir):
+    """The runs of a comparison folder OUT: [{"name": variant, "dir": its folder, "runs": [(seed, run dir),
+    ...]}], the reference variant first, the same seeds for every variant (see run_dir). Run dirs that
+    don't exist (yet) are listed too: callers look for the files they need. From OUT/experiment.json; a
+    folder of `train.py --compare` (before compare.py) has none: its variants are baseline and lime, its
+    first seed is in their logs' headers, the others in their folder names, and its summary.json (then
+    written at the start) says which seeds belong to it. [] if OUT is not a comparison folder."""
+    exp = read_experiment(out_dir)
+    if exp is not None:
+        return [dict(name=v["name"], dir=v["dir"], runs=[(s, run_dir(out_dir, v["dir"], i, s))
+                                                       for i, s in enumerate(exp["seeds"])]) for v in exp["variants"]]
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    summary_seeds = (read_summary(out_dir) or {}).get("seeds")
+    heads = [read_log(p, header=True) for p in (os.path.join(out_dir, v, "log.jsonl") for v in ("baseline", "lime"))
+             if os.path.exists(p)]
+    first = next((h["config"]["seed"] for h in heads if h), summary_seeds[0] if summary_seeds else None)
+    seeds = [first] if {"baseline", "lime"} & set(names) else []
+    seeds += sorted({int(m[2]) for d in names if (m := re.fullmatch(r"(baseline|lime)_seed(\d+)", d))} - {first})
+    if summary_seeds is not None:
+        if seeds and not set(seeds) & set(summary_seeds):
+            raise ValueError(f"{out_dir}/summary.json lists seeds {', '.join(map(str, summary_seeds))}, but the runs "
+                             f"in {out_dir} are of seeds {', '.join(map(str, seeds))}: it belongs to another "
+                             f"comparison; delete it to plot these runs")
+        seeds = [s for s in seeds if s in summary_seeds]
+    return [dict(name=v, dir=v, runs=[(s, os.path.join(out_dir, v if s == first else f"{v}_seed{s}")) for s in seeds])
+            for v in ("baseline", "lime")] if seeds else []
+
+
+def run_main(main):
+    """`if __name__ == "__main__": run_main(main)` in train.py and compare.py: main() with errors as one line
+    and exit 1, and a clean exit under torchrun."""
+    sys.stdout.reconfigure(line_buffering=True)  # progress reaches `python train.py ... > log` as it happens
+    try:
+        main()
+    except (ValueError, OSError) as e:  # bad input, or a file we can't read or write: one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("\ninterrupted; continue with the same command plus --resume=True", file=sys.stderr)
+        sys.exit(130)
+    if "RANK" in os.environ:
+        # under torchrun, done: skip the interpreter's teardown. DDP leaves gloo's threads running past
+        # destroy_process_group, and tearing them down at exit aborts the process now and then (torch 2.13 CPU:
+        # "terminate called without an active exception", 7 in 25 runs of a 10-line DDP script; 0 in 25 with
+        # this exit), which makes torchrun fail a finished job
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

@@ -25,6 +25,7 @@ torch.set_num_threads(1)  # tiny models: one thread is as fast, and immune to a 
 
 import analyze
 import common
+import compare
 import prepare_data
 import sample
 import train
@@ -801,19 +802,23 @@ def test_hc_activation_memory(n, dynamic):
 
 
 def test_scripts_import_one_way():
-    """Scripts share lime.py, prepare_data.py and common.py, never import each other (no cycles); common.py
+    """Scripts share lime.py, prepare_data.py and common.py, never import each other (no cycles), except
+    compare.py, the one orchestrator: it imports train.py and analyze.py, and nothing imports it. common.py
     builds on lime.py and prepare_data.py (atomic_file, same_encoding) alone, and lime.py imports no script and no I/O
     or argument-parsing module."""
     import ast
-    allowed = {"lime", "prepare_data", "common"}
-    scripts = {"train", "sample", "analyze", "bench", "prepare_data", "common", "lime"}
+    scripts = {"train", "compare", "sample", "analyze", "bench", "prepare_data", "common", "lime"}
     for name in scripts:
+        allowed = {"lime", "prepare_data", "common"} | ({"train", "analyze"} if name == "compare" else set())
         tree = ast.parse(open(os.path.join(HERE, f"{name}.py")).read())
         imported = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
         imported |= {node.module.split(".")[0] for node in ast.walk(tree)
                      if isinstance(node, ast.ImportFrom) and node.module}
         own = imported & scripts
         assert own <= allowed - {name}, f"{name}.py imports {own - allowed}"
+        assert "compare" not in own  # (nothing imports compare.py)
+        if name == "compare":
+            assert {"train", "analyze"} <= own
         if name == "lime":
             assert own == set() and not imported & {"argparse", "os", "json", "pickle"}
         if name == "common":
@@ -1356,7 +1361,7 @@ def test_train_resumes_a_checkpoint_from_before_hc(tiny_data, tmp_path):
 def test_train_hc_bad_flags(tiny_data, tmp_path):
     with pytest.raises(ValueError, match="--hc_rate must be at least 0"):
         train.main(tiny_data("--hc_rate=-1", f"--out_dir={tmp_path / 'a'}"))
-    with pytest.raises(ValueError, match="--compare trains the baseline and LIMe only.*--hc_rate=4"):
+    with pytest.raises(ValueError, match=r"--compare is compare.py's now.*python compare.py .*--hc_rate=4"):
         train.main(tiny_data("--compare", "--hc_rate=4", f"--out_dir={tmp_path / 'b'}"))
     with pytest.raises(ValueError, match="hc_rate=-1"):
         GPT(tiny_config(False, hc_rate=-1))
@@ -1483,38 +1488,47 @@ def log(flops, val, train_loss=None):
             for i, (f, v) in enumerate(zip(flops, val))]
 
 
-def test_train_summary_crossing():
+def summary_of(seeds, runs):
+    """What compare.report makes of {variant: [records of each seed]} (folders named as the variants)."""
+    return dict(seeds=seeds, reference=next(iter(runs)), variants=[dict(name=v, dir=v) for v in runs],
+                val_loss=compare.summarize(seeds, runs))
+
+
+def test_compare_summary_crossing():
     base = log([0, 10, 20, 30], [4.0, 3.0, 2.5, 2.0])
     lime = log([0, 11, 22, 33], [4.0, 2.8, 1.9, 1.8])
-    s = train.summarize([7], [base], [lime])
-    p = s["per_seed"][0]
-    assert p["baseline_val_loss"] == 2.0 and p["lime_val_loss"] == 1.8
-    assert p["lime_flops_to_match"] == pytest.approx(11 + 11 * 0.8 / 0.9)  # linear between (11, 2.8), (22, 1.9)
+    s = summary_of([7], {"baseline": [base], "lime": [lime]})
+    p = s["val_loss"]["lime"]["per_seed"][0]
+    assert s["val_loss"]["baseline"]["per_seed"][0]["val_loss"] == 2.0 and p["val_loss"] == 1.8
+    assert p["flops_to_match"] == pytest.approx(11 + 11 * 0.8 / 0.9)  # linear between (11, 2.8), (22, 1.9)
     assert p["ratio"] == pytest.approx((11 + 11 * 0.8 / 0.9) / 30)
-    assert "0.69x the baseline's total FLOPs" in "\n".join(train.format_summary(s))
-    never = train.summarize([7], [base], [log([0, 11, 22, 33], [4.0, 3.5, 3.0, 2.5])])
-    assert never["per_seed"][0]["ratio"] is None and never["mean_curve"]["ratio"] is None
-    assert "never" in "\n".join(train.format_summary(never))
+    assert ("FLOPs to first reach baseline's final val loss 2.0000, as a multiple of baseline's total FLOPs:\n"
+            "  lime      0.69x (2.078e+01 FLOPs)") in "\n".join(compare.format_summary(s))
+    never = summary_of([7], {"baseline": [base], "lime": [log([0, 11, 22, 33], [4.0, 3.5, 3.0, 2.5])]})
+    assert never["val_loss"]["lime"]["per_seed"][0]["ratio"] is None
+    assert never["val_loss"]["lime"]["mean_curve"]["ratio"] is None
+    assert "  lime      never" in "\n".join(compare.format_summary(never))
 
 
-def test_train_multiseed_aggregation():
+def test_compare_multiseed_aggregation():
     bases = [log([0, 10, 20], [4.0, 3.0, 2.0]), log([0, 10, 20], [4.2, 3.2, 2.4])]
     limes = [log([0, 11, 22], [4.0, 2.0, 1.5]), log([0, 11, 22], [4.2, 3.0, 2.5])]
-    flops, mean, lo, hi = train.mean_band(bases, "val_loss")
+    flops, mean, lo, hi = compare.mean_band(bases, "val_loss")
     assert list(flops) == [0, 10, 20] and list(mean) == pytest.approx([4.1, 3.1, 2.2])
     assert list(lo) == [4.0, 3.0, 2.0] and list(hi) == [4.2, 3.2, 2.4]
-    s = train.summarize([1, 2], bases, limes)
-    assert s["baseline"]["val_loss_mean"] == pytest.approx(2.2)
-    assert s["baseline"]["val_loss_std"] == pytest.approx(np.std([2.0, 2.4], ddof=1))
-    assert s["lime"]["val_loss_mean"] == pytest.approx(2.0)
-    assert s["per_seed"][0]["ratio"] == pytest.approx(11 / 20)  # seed 1: 2.0 reached at the 11 point
-    assert s["per_seed"][1]["ratio"] is None  # seed 2: LIMe ends at 2.5 > 2.4
+    s = summary_of([1, 2], {"baseline": bases, "lime": limes})
+    b, l = s["val_loss"]["baseline"], s["val_loss"]["lime"]
+    assert b["mean"] == pytest.approx(2.2)
+    assert b["std"] == pytest.approx(np.std([2.0, 2.4], ddof=1))
+    assert l["mean"] == pytest.approx(2.0)
+    assert l["per_seed"][0]["ratio"] == pytest.approx(11 / 20)  # seed 1: 2.0 reached at the 11 point
+    assert l["per_seed"][1]["ratio"] is None  # seed 2: LIMe ends at 2.5 > 2.4
     # mean curves: LIMe mean (4.1, 2.5, 2.0) reaches 2.2 between 11 and 22: 11 + 11 * 0.3 / 0.5
-    assert s["mean_curve"]["lime_flops_to_match"] == pytest.approx(11 + 11 * 0.3 / 0.5)
-    assert "1: 0.55x, 2: never" in "\n".join(train.format_summary(s))
+    assert l["mean_curve"]["flops_to_match"] == pytest.approx(11 + 11 * 0.3 / 0.5)
+    assert "lime      per seed: 1: 0.55x, 2: never" in "\n".join(compare.format_summary(s))
 
 
-def test_train_plot_from_logs(tmp_path):
+def test_compare_plot_from_logs(tmp_path):
     cfg = dict(train.PRESETS["cpu"], dataset="x", router_lr=1e-2, seed=1)
     for d, lg in [("baseline", log([0, 10, 20], [4.0, 3.0, 2.0])), ("lime", log([0, 11, 22], [4.0, 2.5, 1.9])),
                   ("baseline_seed2", log([0, 10, 20], [4.1, 3.1, 2.2])),
@@ -1523,17 +1537,17 @@ def test_train_plot_from_logs(tmp_path):
         with open(tmp_path / d / "log.jsonl", "w") as f:
             f.write(json.dumps({"config": dict(cfg, seed=int(d[-1]) if d[-1].isdigit() else 1)}) + "\n")
             f.writelines(json.dumps(r) + "\n" for r in lg)
-    s = train.main([f"--plot={tmp_path}"])
+    s = compare.main([f"--plot={tmp_path}"])  # a folder as train.py --compare wrote it (no experiment.json)
     assert s["seeds"] == [1, 2]
     with open(tmp_path / "loss_vs_flops.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(tmp_path / "loss_vs_flops.png") > 10_000
     with open(tmp_path / "summary.json") as f:
-        assert json.load(f)["per_seed"][1]["seed"] == 2
+        assert json.load(f)["val_loss"]["lime"]["per_seed"][1]["seed"] == 2
 
 
 def write_logs(out, runs, seeds=(1,)):
-    """Hand-made --compare folder: {run dir name: records} with a header each; seed from the name."""
+    """Hand-made comparison folder: {run dir name: records} with a header each; seed from the name."""
     for d, lg in runs.items():
         os.makedirs(os.path.join(out, d), exist_ok=True)
         cfg = dict(train.PRESETS["cpu"], dataset="x", router_lr=1e-2, seed=int(d[-1]) if d[-1].isdigit() else seeds[0])
@@ -1542,9 +1556,9 @@ def write_logs(out, runs, seeds=(1,)):
             f.writelines(json.dumps(r) + "\n" for r in lg)
 
 
-def test_train_plot_compares_like_with_like(tmp_path, capsys):
+def test_compare_plot_compares_like_with_like(tmp_path, capsys):
     write_logs(tmp_path, {"baseline": log([0, 10, 20], [4.0, 3.0, 2.0]), "lime": log([0, 11, 22], [4.0, 2.5, 1.9])})
-    assert train.main([f"--plot={tmp_path}"])["iter"] == 2
+    assert compare.main([f"--plot={tmp_path}"])["iter"] == 2
     files = lambda: {f: open(tmp_path / f, "rb").read() for f in ("loss_vs_flops.png", "summary.json")}
     good = files()
     with open(tmp_path / "lime" / "log.jsonl") as f:
@@ -1554,28 +1568,48 @@ def test_train_plot_compares_like_with_like(tmp_path, capsys):
     with pytest.raises(ValueError, match=re.escape(
             f"not replacing {tmp_path}/summary.json and loss_vs_flops.png: they compare the runs at iter 2, further "
             f"than the logs now reach (baseline at iter 2, lime at iter 1)")):
-        train.main([f"--plot={tmp_path}"])
+        compare.main([f"--plot={tmp_path}"])
     assert files() == good
     os.remove(tmp_path / "summary.json")  # the way to plot them anyway: both at iter 1, not LIMe's 1 vs baseline's 2
     capsys.readouterr()
-    s = train.main([f"--plot={tmp_path}"])
-    assert s["iter"] == 1 and s["per_seed"][0]["baseline_val_loss"] == 3.0 and s["per_seed"][0]["lime_val_loss"] == 2.5
+    s = compare.main([f"--plot={tmp_path}"])
+    assert s["iter"] == 1 and s["val_loss"]["baseline"]["per_seed"][0]["val_loss"] == 3.0
+    assert s["val_loss"]["lime"]["per_seed"][0]["val_loss"] == 2.5
     assert ("note: the runs end at different iterations (baseline at iter 2, lime at iter 1); comparing them all "
             "at iter 1") in capsys.readouterr().out
     with open(tmp_path / "lime" / "log.jsonl", "w") as f:  # only the initial evaluation left: nothing to compare
         f.writelines(lines[:2])
     with pytest.raises(ValueError, match=re.escape("no evaluation in common past iter 0 yet (baseline at iter 2, "
                                                    "lime at iter 0)")):
-        train.main([f"--plot={tmp_path}"])
+        compare.main([f"--plot={tmp_path}"])
+
+
+def test_compare_plot_while_a_seed_trains(tmp_path, capsys):
+    """experiment.json says which variants, folders and seeds make the comparison: --plot takes the seeds every
+    variant has a log of (a note names the others), in its order, and leaves out folders it doesn't list."""
+    write_logs(tmp_path, {"lime": log([0, 11, 22], [4.0, 2.5, 1.9]), "baseline": log([0, 10, 20], [4.0, 3.0, 2.0]),
+                          "baseline_seed2": log([0, 10, 20], [4.1, 3.1, 2.2]),  # lime_seed2 not started yet
+                          "lime_seed3": log([0, 10], [9.0, 9.0])})  # of another comparison: not in the plan
+    with open(tmp_path / "experiment.json", "w") as f:
+        json.dump(dict(variants=[dict(name="lime", dir="lime", flags=dict(lime=True)),
+                                 dict(name="baseline", dir="baseline", flags=dict(lime=False))], seeds=[1, 2]), f)
+    s = compare.main([f"--plot={tmp_path}"])
+    assert s["seeds"] == [1] and s["reference"] == "lime" and list(s["val_loss"]) == ["lime", "baseline"]
+    assert s["val_loss"]["baseline"]["per_seed"][0]["ratio"] is None  # (2.0 never reaches LIMe's 1.9)
+    assert f"note: no log yet at {tmp_path / 'lime_seed2'}: comparing the seeds every variant has" in capsys.readouterr().out
+    with open(tmp_path / "experiment.json", "w") as f:
+        f.write('{"variants": [{"name": "lime", "dir": "../lime"}], "seeds": [1]}')
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'experiment.json'} is not a plan written by compare.py")):
+        compare.main([f"--plot={tmp_path}"])
 
 
 @pytest.mark.parametrize("damage, error", [
-    ("summary not an object", "summary.json is not a summary written by train.py; delete it"),
+    ("summary not an object", "summary.json is not a summary written by compare.py; delete it"),
     ("summary of other seeds", "summary.json lists seeds 3, 4, but the runs in T are of seeds 1, 2: it belongs to "
                                "another comparison; delete it"),
     ("header line cut", None),  # plots: the summary says which seed the first runs are
 ])
-def test_train_plot_damaged_summary_or_header(tmp_path, damage, error):
+def test_compare_plot_damaged_summary_or_header(tmp_path, damage, error):
     write_logs(tmp_path, {d: log([0, 10, 20], [4.0, 3.0, 2.0]) for d in ("baseline", "lime", "baseline_seed2",
                                                                          "lime_seed2")})
     summary = {"summary not an object": [1, 2], "summary of other seeds": dict(seeds=[3, 4]),
@@ -1587,15 +1621,15 @@ def test_train_plot_damaged_summary_or_header(tmp_path, damage, error):
             lines = f.readlines()
         with open(tmp_path / "baseline" / "log.jsonl", "w") as f:
             f.writelines([lines[0][:20] + "\n"] + lines[1:])
-        assert train.main([f"--plot={tmp_path}"])["seeds"] == [1, 2]
+        assert compare.main([f"--plot={tmp_path}"])["seeds"] == [1, 2]
     else:
         with pytest.raises(ValueError, match=re.escape(error.replace("T", str(tmp_path)))):
-            train.main([f"--plot={tmp_path}"])
+            compare.main([f"--plot={tmp_path}"])
 
 
 @pytest.mark.parametrize("write, old_tmp", [  # each writer, and the fixed temp name it used to write through
     ("ckpt.pt", "ckpt.pt.tmp"), ("log.jsonl", "log.jsonl.tmp"), ("loss_vs_flops.png", "loss_vs_flops.png.tmp.png"),
-    ("tinyshakespeare.txt", "tinyshakespeare.txt.tmp")])
+    ("accuracy_vs_flops.png", "accuracy_vs_flops.png.tmp.png"), ("tinyshakespeare.txt", "tinyshakespeare.txt.tmp")])
 def test_train_temp_files_are_unique_and_exclusive(tmp_path, monkeypatch, write, old_tmp):
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
@@ -1606,9 +1640,13 @@ def test_train_temp_files_are_unique_and_exclusive(tmp_path, monkeypatch, write,
         save_checkpoint(dict(x=torch.zeros(3)), str(d))
     elif write == "log.jsonl":
         train.start_log(str(d / write), {"config": {}})
-    elif write == "loss_vs_flops.png":
-        runs = [log([0, 10, 20], [4.0, 3.0, 2.0])], [log([0, 11, 22], [4.0, 2.5, 1.9])]
-        train.plot_compare(str(d / write), *runs, train.summarize([1], *runs))
+    elif write in ("loss_vs_flops.png", "accuracy_vs_flops.png"):
+        runs = {"baseline": [log([0, 10, 20], [4.0, 3.0, 2.0])], "lime": [log([0, 11, 22], [4.0, 2.5, 1.9])]}
+        for recs in runs.values():
+            for r in recs[0]:
+                r["accuracy"] = 1 / r["val_loss"]
+        s = dict(summary_of([1], runs), accuracy=compare.summarize([1], runs, "accuracy"))
+        compare.plot_compare(str(d / write), runs, s, key=write.split("_")[0].replace("loss", "val_loss"))
     else:
         monkeypatch.setattr(prepare_data, "download", lambda url, timeout=5: DATA_TEXT)
         prepare_data.quickstart_text(str(d))
@@ -1686,7 +1724,7 @@ def test_train_unusable_out_dir(tiny_data, tmp_path, monkeypatch, where, match):
         d.mkdir()
         def refuse(*a, dir=None, **k):
             raise PermissionError(13, "Permission denied")
-        monkeypatch.setattr(train.tempfile, "TemporaryFile", refuse)
+        monkeypatch.setattr(common.tempfile, "TemporaryFile", refuse)
     with pytest.raises(ValueError, match=match.replace("F", re.escape(str(f))).replace("D", re.escape(str(d)))):
         train.main(tiny_data("--max_iters=2", f"--out_dir={out}"))
     assert sorted(os.listdir(tmp_path)) == (["d", "data", "f"] if where == "read-only" else ["data", "f"])
@@ -1772,23 +1810,24 @@ def test_train_progress_reaches_a_pipe_while_running(tiny_data, tmp_path):
         p.wait()
 
 
-def test_train_cli_os_error_is_one_line(tmp_path):
+def test_compare_cli_os_error_is_one_line(tmp_path):
     write_logs(tmp_path, {"baseline": log([0, 10], [4.0, 3.0]), "lime": log([0, 11], [4.0, 2.9])})
     os.makedirs(tmp_path / "summary.json")  # any OSError (here: reading a folder) used to escape __main__
-    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), f"--plot={tmp_path}"],
+    r = subprocess.run([sys.executable, os.path.join(HERE, "compare.py"), f"--plot={tmp_path}"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
     assert r.stderr.startswith("error: ") and f"Is a directory: '{tmp_path}/summary.json'" in r.stderr
 
 
-def test_train_compare_two_seeds(tiny_data, tmp_path, monkeypatch):
+def test_compare_two_seeds(tiny_data, tmp_path, monkeypatch):
     analyzed = []
-    monkeypatch.setattr(train, "run_analyze", lambda out_dir, device="auto": analyzed.append(out_dir))
+    monkeypatch.setattr(compare, "run_analyze", lambda out_dir, device="auto": analyzed.append(out_dir))
     out = str(tmp_path / "cmp")
-    s = train.main(tiny_data("--compare", "--seeds=2", "--max_iters=4", f"--out_dir={out}", "--seed=5"))
-    assert sorted(os.listdir(out)) == ["baseline", "baseline_seed6", "lime", "lime_seed6", "loss_vs_flops.png",
-                                       "summary.json"]
-    assert s["seeds"] == [5, 6] and [p["seed"] for p in s["per_seed"]] == [5, 6] and analyzed == [out]
+    s = compare.main(tiny_data("--seeds=2", "--max_iters=4", f"--out_dir={out}", "--seed=5"))
+    assert sorted(os.listdir(out)) == ["baseline", "baseline_seed6", "experiment.json", "lime", "lime_seed6",
+                                       "loss_vs_flops.png", "summary.json"]
+    assert s["seeds"] == [5, 6] and [p["seed"] for p in s["val_loss"]["lime"]["per_seed"]] == [5, 6]
+    assert analyzed == [out]
     for d, lime, seed in [("baseline", False, 5), ("lime", True, 5),
                           ("baseline_seed6", False, 6), ("lime_seed6", True, 6)]:
         _, ckpt = common.load_checkpoint(os.path.join(out, d))
@@ -1797,28 +1836,29 @@ def test_train_compare_two_seeds(tiny_data, tmp_path, monkeypatch):
     summary = open(os.path.join(out, "summary.json")).read()
     with pytest.raises(ValueError, match=re.escape(f"{out} already holds a comparison (summary.json, loss_vs_flops"
                                                    f".png, baseline, lime, baseline_seed6, lime_seed6); continue it "
-                                                   f"with --compare --resume=True, or use a new --out_dir")):
-        train.main(tiny_data("--compare", "--seeds=2", "--max_iters=4", f"--out_dir={out}", "--seed=5"))
+                                                   f"with --resume=True, or use a new --out_dir")):
+        compare.main(tiny_data("--seeds=2", "--max_iters=4", f"--out_dir={out}", "--seed=5"))
     assert open(os.path.join(out, "summary.json")).read() == summary
     os.remove(os.path.join(out, "lime_seed6", "ckpt.pt"))  # as if killed before its first checkpoint: starts over
     losses = [r["train_loss"] for r in records(os.path.join(out, "lime_seed6"))[1:]]
-    train.main(tiny_data("--compare", "--seeds=2", "--max_iters=4", f"--out_dir={out}", "--seed=5", "--resume"))
+    compare.main(tiny_data("--seeds=2", "--max_iters=4", f"--out_dir={out}", "--seed=5", "--resume"))
     assert open(os.path.join(out, "lime", "log.jsonl")).read().split("\n")[1:] == before.split("\n")[1:]
     assert [r["train_loss"] for r in records(os.path.join(out, "lime_seed6"))[1:]] == pytest.approx(losses)
     assert os.path.exists(os.path.join(out, "lime_seed6", "ckpt.pt"))
 
 
-def test_train_depth_sweep(tiny_data, tmp_path, monkeypatch, capsys):
-    """--compare --depths: a comparison per depth in OUT/depthL, resumable when half finished (finished
-    depths kept as they are), and sweep.json's numbers are those of the runs' logs."""
-    monkeypatch.setattr(train, "run_analyze", lambda out_dir, device="auto": None)
+def test_compare_depth_sweep(tiny_data, tmp_path, monkeypatch, capsys):
+    """--depths: a comparison per depth in OUT/depthL, resumable when half finished (finished depths kept
+    as they are), and sweep.json's numbers are those of the runs' logs."""
+    monkeypatch.setattr(compare, "run_analyze", lambda out_dir, device="auto": None)
     out = str(tmp_path / "sweep")
-    flags = tiny_data("--compare", "--max_iters=4", f"--out_dir={out}")
-    train.main(flags + ["--depths=1"])                                   # half of the sweep
+    flags = tiny_data("--max_iters=4", f"--out_dir={out}")
+    compare.main(flags + ["--depths=1"])                                 # half of the sweep
     log1 = open(os.path.join(out, "depth1", "lime", "log.jsonl")).read()
     with pytest.raises(ValueError, match="already holds a comparison"):  # not without --resume
-        train.main(flags + ["--depths=1,2"])
-    s = train.main(flags + ["--depths=2,1", "--resume=True"])           # the rest
+        compare.main(flags + ["--depths=1,2"])
+    assert sorted(os.listdir(out)) == ["depth1", "loss_vs_depth.png", "sweep.json"]  # (nothing written)
+    s = compare.main(flags + ["--depths=2,1", "--resume=True"])         # the rest
     assert sorted(os.listdir(out)) == ["depth1", "depth2", "loss_vs_depth.png", "sweep.json"]
     assert open(os.path.join(out, "depth1", "lime", "log.jsonl")).read().split("\n")[1:] == log1.split("\n")[1:]
     assert s["depths"] == [1, 2] and json.load(open(os.path.join(out, "sweep.json"))) == s
@@ -1826,14 +1866,14 @@ def test_train_depth_sweep(tiny_data, tmp_path, monkeypatch, capsys):
         for v in ("baseline", "lime"):
             d = os.path.join(out, f"depth{row['n_layer']}", v)
             last = [r for r in records(d) if "val_loss" in r][-1]
-            assert row[v]["val_loss"] == [last["val_loss"]] and row[v]["flops"] == last["flops"]
+            assert row["variants"][v]["val_loss"] == [last["val_loss"]] and row["variants"][v]["flops"] == last["flops"]
             assert common.load_checkpoint(d)[0].config.n_layer == row["n_layer"]
-    assert s["per_depth"][1]["baseline"]["flops"] > s["per_depth"][0]["baseline"]["flops"]
+    assert s["per_depth"][1]["variants"]["baseline"]["flops"] > s["per_depth"][0]["variants"]["baseline"]["flops"]
     printed = capsys.readouterr().out
-    assert "LIMe at 1 layers" in printed and "baseline at 2 layers" in printed
-    assert train.main([f"--plot={out}"]) == s                            # redrawn from the logs alone
+    assert "lime at 1 layers" in printed and "of baseline at 2 layers" in printed
+    assert compare.main([f"--plot={out}"]) == s                          # redrawn from the logs alone
     with pytest.raises(ValueError, match="--depths=4,x is not"):
-        train.main(flags + ["--depths=4,x"])
+        compare.main(flags + ["--depths=4,x"])
 
 
 def torchrun(script, *args, nproc=2):
@@ -1843,10 +1883,10 @@ def torchrun(script, *args, nproc=2):
                            script, *args], capture_output=True, text=True, env=env, timeout=300)
 
 
-RANK0_FAILS = """# train.py, except that rank 0 can't write lime_seed6's iter-6 checkpoint
+RANK0_FAILS = """# compare.py, except that rank 0 can't write lime_seed6's iter-6 checkpoint
 import os, sys
 sys.path.insert(0, {here!r})
-import train
+import compare, train
 
 def save_checkpoint(ckpt, out_dir):
     if out_dir.endswith("lime_seed6") and ckpt["iter_num"] == 6:
@@ -1855,24 +1895,24 @@ def save_checkpoint(ckpt, out_dir):
 
 if os.environ["RANK"] == "0":
     save, train.save_checkpoint = train.save_checkpoint, save_checkpoint
-train.main(sys.argv[1:])
+compare.main(sys.argv[1:])
 """
 
 
-def test_train_ddp_two_processes_match_one(tiny_data, tmp_path):
-    """`--compare --seeds=2` on 2 processes. Each step is 4 micro-batches (2 per rank: no_sync and the reused LIMe
+def test_compare_ddp_two_processes_match_one(tiny_data, tmp_path):
+    """`compare.py --seeds=2` on 2 processes. Each step is 4 micro-batches (2 per rank: no_sync and the reused LIMe
     gradient buffer at work), dropout on (its masks are seeded per micro-batch).
     1st launch: rank 0 fails to write the last run's last checkpoint while rank 1 waits for it: the job must
     end with rank 0's error, not hang. 2nd launch: --resume (that run continues from its iter-4 checkpoint).
     Every run must log the same losses and end with the same weights as 1 process with the same global batch.
     Tolerance: the all-reduce adds the ranks' gradients in another order than one process accumulates them, a
     few float32 ulps (~1e-7 relative) that Adam carries into the weights; 1e-5 leaves ~100x room (seen ~1e-7)."""
-    flags = tiny_data("--gradient_accumulation_steps=4", "--dropout=0.1", "--max_iters=6", "--compare", "--seeds=2",
+    flags = tiny_data("--gradient_accumulation_steps=4", "--dropout=0.1", "--max_iters=6", "--seeds=2",
                       "--seed=5", f"--out_dir={tmp_path / 'two'}")
     (tmp_path / "rank0_fails.py").write_text(RANK0_FAILS.format(here=HERE))
     r = torchrun(str(tmp_path / "rank0_fails.py"), *flags)
     assert r.returncode != 0 and "injected: no space left on device" in r.stderr
-    r = torchrun(os.path.join(HERE, "train.py"), *flags, "--resume=True")
+    r = torchrun(os.path.join(HERE, "compare.py"), *flags, "--resume=True")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr
     assert r.stdout.count("resuming at iter 4") == 1 and r.stdout.count("nothing to do") == 3  # rank 1 prints nothing
     assert "per seed: 5: " in r.stdout and os.path.exists(tmp_path / "two" / "loss_vs_flops.png")
@@ -1900,16 +1940,17 @@ def test_train_ddp_batch_must_split_evenly(tiny_data, tmp_path, monkeypatch):
         train.main(tiny_data("--gradient_accumulation_steps=3", f"--out_dir={tmp_path / 'o'}"))
 
 
-def test_train_task_compare_end_to_end(task_data, tmp_path, monkeypatch, capsys):
+def test_compare_task_end_to_end(task_data, tmp_path, monkeypatch, capsys):
     d, meta = task_data
     analyzed = []
-    monkeypatch.setattr(train, "run_analyze", lambda out_dir, device="auto": analyzed.append(out_dir))
+    monkeypatch.setattr(compare, "run_analyze", lambda out_dir, device="auto": analyzed.append(out_dir))
     out = str(tmp_path / "cmp")
-    s = train.main([f"--data_dir={d}", "--dataset=arith", "--compare", "--preset=arithmetic", "--seeds=2",
-                    "--max_iters=4", "--eval_interval=2", "--log_interval=2", "--batch_size=8", "--eval_iters=2",
-                    "--warmup_iters=1", "--device=cpu", f"--out_dir={out}"])
-    assert sorted(os.listdir(out)) == ["accuracy_vs_flops.png", "baseline", "baseline_seed1338", "lime",
-                                       "lime_seed1338", "loss_vs_flops.png", "summary.json"] and analyzed == [out]
+    s = compare.main([f"--data_dir={d}", "--dataset=arith", "--preset=arithmetic", "--seeds=2",
+                      "--max_iters=4", "--eval_interval=2", "--log_interval=2", "--batch_size=8", "--eval_iters=2",
+                      "--warmup_iters=1", "--device=cpu", f"--out_dir={out}"])
+    assert sorted(os.listdir(out)) == ["accuracy_vs_flops.png", "baseline", "baseline_seed1338", "experiment.json",
+                                       "lime", "lime_seed1338", "loss_vs_flops.png", "summary.json"]
+    assert analyzed == [out]
     T = meta["row_length"] - 1
     for v in ("baseline", "lime"):
         model, ckpt = common.load_checkpoint(os.path.join(out, v))
@@ -1918,11 +1959,11 @@ def test_train_task_compare_end_to_end(task_data, tmp_path, monkeypatch, capsys)
         evals = [r for r in recs if "val_loss" in r]
         assert [r["iter"] for r in evals] == [0, 2, 4] and all(0 <= r["accuracy"] <= 1 for r in evals)
         assert all(r["flops"] == 3 * model.flops_per_token(T) * r["iter"] * 8 * T for r in recs)  # padding counted
-        test = train.read_test_accuracy(os.path.join(out, v, "log.jsonl"))
+        test = compare.read_test_accuracy(os.path.join(out, v, "log.jsonl"))
         assert test["test_problems"] == 20 and test["at_iter"] == 4 and 0 <= test["test_accuracy"] <= 1
-    a = s["accuracy"]
+    a = s["accuracy"]["lime"]
     assert [p["seed"] for p in a["per_seed"]] == [1337, 1338]
-    assert a["lime_test_accuracy_mean"] == pytest.approx(np.mean([p["lime_test_accuracy"] for p in a["per_seed"]]))
+    assert a["test_accuracy_mean"] == pytest.approx(np.mean([p["test_accuracy"] for p in a["per_seed"]]))
     printed = capsys.readouterr().out
     assert "accuracy (greedy, final answer correct)" in printed and "test accuracy" in printed
     with pytest.raises(ValueError, match="rows of .* drop --block_size"):
@@ -1931,6 +1972,134 @@ def test_train_task_compare_end_to_end(task_data, tmp_path, monkeypatch, capsys)
     _, ckpt = common.load_checkpoint(os.path.join(out, "lime"))
     with pytest.raises(analyze.CantProbe, match="a task of problems, not text"):  # separability: a note, no counts
         analyze.val_text(ckpt)
+
+
+def test_compare_three_variants_with_an_override(tiny_data, tmp_path, capsys):
+    """A variant with overrides trains with them, in its own folder, fairly (same init, data and eval batches as
+    the variant it derives from), shows in the summary, the figure and the analyses (every LIMe variant gets its
+    router maps), and is redrawn by --plot from the logs alone."""
+    out = tmp_path / "cmp"
+    name, folder = "lime:router_lr=0.005,weight_decay=0.0", "lime_router_lr=0.005_weight_decay=0.0"
+    s = compare.main(tiny_data("--max_iters=2", "--eval_interval=2", "--log_interval=1", f"--out_dir={out}",
+                               "--variants=baseline,lime,lime:router_lr=5e-3,weight_decay=0"))
+    assert s["reference"] == "baseline" and list(s["val_loss"]) == ["baseline", "lime", name]
+    assert s["variants"][2] == dict(name=name, dir=folder)
+    assert json.load(open(out / "experiment.json"))["variants"][2] == dict(
+        name=name, dir=folder, flags=dict(lime=True, router_lr=5e-3, weight_decay=0.0))
+    for d, router_lr, weight_decay in [("lime", 1e-2, 0.1), (folder, 5e-3, 0.0)]:
+        _, ckpt = common.load_checkpoint(str(out / d))
+        assert ckpt["config"]["lime"] and ckpt["config"]["router_lr"] == router_lr
+        assert ckpt["config"]["weight_decay"] == weight_decay
+    a, b, base = records(out / "lime"), records(out / folder), records(out / "baseline")
+    assert a[0]["val_loss"] == b[0]["val_loss"] != base[0]["val_loss"]  # same init and eval batches (routers aside)
+    assert a[1]["train_loss"] == b[1]["train_loss"]  # step 0: same init, same batch, before any update
+    assert a[2]["val_loss"] != b[2]["val_loss"]  # then the overrides act
+    printed = capsys.readouterr().out
+    assert f"  {name}  " in printed and f"(folder {folder})" in printed
+    analysis = json.load(open(out / "analysis.json"))
+    assert list(analysis["routers"]) == ["lime", name] and list(analysis["value_entropy"]["mean"]) == list(s["val_loss"])
+    for png in ["loss_vs_flops.png", "router_map.png", f"router_map_{folder}.png", f"router_heads_{folder}.png"]:
+        with open(out / png, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert compare.main([f"--plot={out}"]) == s
+
+
+def test_compare_named_variants_build_their_models():
+    """Each name of compare.py's table builds the model (and optimiser setting) it stands for: the paper's other
+    baseline (hc, hc-static) and the LIMe ablations (lime-k, lime-v, lime-first, lime-previous, lime-frozen)."""
+    expect = {"baseline": {}, "lime": dict(lime=True), "hc": dict(hc_rate=4), "hc-static": dict(hc_rate=4, hc_dynamic=False),
+              "lime-k": dict(lime=True, lime_kv="k"), "lime-v": dict(lime=True, lime_kv="v"),
+              "lime-first": dict(lime=True, lime_sources="first"),
+              "lime-previous": dict(lime=True, lime_sources="previous"), "lime-frozen": dict(lime=True)}
+    assert list(compare.VARIANTS) == list(expect)
+    paper = dict(lime=False, lime_kv="kv", lime_sources="all", hc_rate=0, hc_dynamic=True)
+    for v in compare.parse_variants(",".join(expect)):
+        flags = {k: v.flags.get(k, default) for k, default in paper.items()}
+        assert flags == {**paper, **expect[v.name]}, v.name
+        assert v.flags.get("router_lr", 1e-2) == (0.0 if v.name == "lime-frozen" else 1e-2)
+        GPT(tiny_config(flags.pop("lime"), **flags))  # a valid model
+
+
+def test_compare_variants_parse():
+    vs = compare.parse_variants("baseline,lime,lime:router_lr=1e-3,weight_decay=0,lime:n_embd=64:dropout=0.1")
+    assert [(v.name, v.dir) for v in vs] == [
+        ("baseline", "baseline"), ("lime", "lime"),
+        ("lime:router_lr=0.001,weight_decay=0.0", "lime_router_lr=0.001_weight_decay=0.0"),
+        ("lime:dropout=0.1,n_embd=64", "lime_dropout=0.1_n_embd=64")]
+    assert vs[0].flags == {"lime": False} and vs[1].flags == {"lime": True}
+    assert vs[2].flags == {"lime": True, "router_lr": 1e-3, "weight_decay": 0.0}
+    assert vs[3].flags == {"lime": True, "n_embd": 64, "dropout": 0.1}
+    assert compare.parse_variants("baseline:lime=yes")[0].flags == {"lime": True}  # an override wins over the table
+    assert compare.VARIANT_FLAGS == ["beta1", "beta2", "dropout", "fused_mix", "grad_clip", "hc_dynamic", "hc_rate",
+                                     "learning_rate", "lime", "lime_kv", "lime_sources", "n_embd", "n_head", "n_layer",
+                                     "router_lr", "weight_decay"]
+    for name, flags in compare.VARIANTS.items():  # the table sets only what a variant may set
+        assert set(flags) <= set(compare.VARIANT_FLAGS) and re.fullmatch(r"[\w-]+", name)
+
+
+@pytest.mark.parametrize("variants, match", [
+    ("baseline,limes", "unknown variant 'limes'; known: baseline, lime"),
+    ("baseline,lime:router_lr", "'router_lr' is not key=value"),
+    ("baseline,lime:router_lr=", "'router_lr=' is not key=value"),
+    ("baseline,lime:", "'' is not key=value"),
+    ("baseline,lime:router_lr=fast", "router_lr takes a number, got 'fast'"),
+    ("baseline,lime:lime=maybe", "lime takes True or False, got 'maybe'"),
+    ("baseline,lime:n_layer=2.5", "n_layer takes an integer, got '2.5'"),
+    ("baseline,lime:out_dir=x", "--out_dir is not a model or optimiser flag; a variant may set only beta1, beta2, "),
+    ("baseline,lime:max_iters=10", "--max_iters is not a model or optimiser flag"),
+    ("baseline,lime:colour=red", "'colour' is not a model or optimiser flag"),
+    ("baseline,router_lr=1e-3", "unknown variant 'router_lr=1e-3'; overrides follow a variant's name and ':'"),
+    ("lime:router_lr=1e-3,router_lr=2e-3", "router_lr is set twice"),
+    ("baseline,lime,baseline", "baseline and baseline would share the folder baseline; list each variant once"),
+    ("lime:router_lr=1e-3,lime:router_lr=0.001", "lime:router_lr=0.001 and lime:router_lr=0.001 would share the "
+                                                 "folder lime_router_lr=0.001"),
+    ("baseline,lime:router_lr=-1", "variant lime:router_lr=-1.0: --router_lr must be at least 0, got -1.0"),
+])
+def test_compare_bad_variants(tiny_data, tmp_path, variants, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        compare.main(tiny_data(f"--variants={variants}", f"--out_dir={tmp_path / 'o'}"))
+    assert not (tmp_path / "o").exists()
+
+
+def test_compare_cli_bad_variant_is_one_line(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(HERE, "compare.py"), "--variants=baseline,lime:out_dir=x"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("error: --variants=baseline,lime:out_dir=x: lime:out_dir=x: --out_dir is not a model")
+    assert os.listdir(tmp_path) == []  # (not even out-compare/)
+
+
+def test_compare_refuses_runs_made_with_other_settings(tiny_data, tmp_path, monkeypatch):
+    """--resume on a folder whose runs were made with other settings than the variants now listed: an error
+    naming the run and the setting, and nothing written or deleted (not even a log to start over)."""
+    monkeypatch.setattr(compare, "run_analyze", lambda out_dir, device="auto": None)
+    out = tmp_path / "cmp"
+    compare.main(tiny_data("--max_iters=2", f"--out_dir={out}", "--variants=baseline"))
+    os.makedirs(out / "lime")  # a baseline's log in lime/, as if renamed, stopped before its first checkpoint
+    shutil.copy(out / "baseline" / "log.jsonl", out / "lime" / "log.jsonl")
+    files = lambda: {str(p): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    before = files()
+    for flags, match in [(["--variants=baseline,lime"], f"{out / 'lime'} holds a run with other settings than lime, "
+                                                        f"seed 1337 (lime=False there, True now)"),
+                         (["--variants=baseline", "--n_embd=16"], "seed 1337 (n_embd=32 there, 16 now)"),
+                         (["--variants=baseline", "--seed=3"], "seed 3 (seed=1337 there, 3 now)")]:
+        with pytest.raises(ValueError, match=re.escape(match)):
+            compare.main(tiny_data("--max_iters=4", f"--out_dir={out}", "--resume=True", *flags))
+        assert files() == before
+
+
+def test_train_compare_flags_moved_to_compare_py(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), "--compare", "--seeds=2", "--out_dir=x y"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 1 and r.stdout == "" and os.listdir(tmp_path) == []
+    assert r.stderr == ("error: --compare is compare.py's now (train.py trains one model); run: python compare.py "
+                        "--seeds=2 '--out_dir=x y'\n")
+    for argv, then in [(["--plot", "out-compare"], "python compare.py --plot out-compare"),
+                       (["--depths=4,8", "--preset=deep"], "python compare.py --depths=4,8 --preset=deep"),
+                       (["--analyze=o"], "python compare.py --analyze=o"), (["--variants=lime"], "--variants=lime")]:
+        with pytest.raises(ValueError, match=re.escape(f"{argv[0].split('=')[0]} is compare.py's now") + ".*"
+                           + re.escape(then)):
+            train.main(argv)
 
 
 # ----------------------------------------------------------------------------- sample.py
@@ -2035,6 +2204,10 @@ def test_sample_hc_checkpoint_round_trip(tmp_path, capsys):
 def test_sample_missing_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"ckpt\.pt.*python train\.py"):
         sample.main([f"--out_dir={tmp_path / 'nothing'}", "--device=cpu"])
+    make_ckpt(str(tmp_path / "cmp" / "lime"), str(tmp_path / "data"))  # a comparison folder: points to a run in it
+    with pytest.raises(FileNotFoundError, match=re.escape(f"it is a comparison folder (compare.py): use one of its "
+                                                          f"runs, e.g. {tmp_path / 'cmp' / 'lime'}")):
+        sample.main([f"--out_dir={tmp_path / 'cmp'}", "--device=cpu"])
 
 
 def test_sample_cli_errors_are_one_line(ckpt_dir, tmp_path):
@@ -2211,13 +2384,15 @@ def test_analyze_compare_writes_figures(tmp_path, capsys):
         assert sum(name in line for line in printed) == 1
     assert len(printed) == 3
     saved = json.load(open(out / "analysis.json"))
-    assert saved["router"]["heads_layer"] == 2 and len(saved["router"]["shares"]) == 3
+    assert list(saved["routers"]) == ["lime"]  # (the one LIMe run)
+    assert saved["routers"]["lime"]["heads_layer"] == 2 and len(saved["routers"]["lime"]["shares"]) == 3
     for run in ["baseline", "lime"]:
         ent = result["value_entropy"]["per_layer"][run]
         assert len(ent) == 3 and all(0 < e <= math.log(16) + 1e-9 for e in ent)
     assert saved["runs"]["lime"]["sequences"] == 12  # eval_iters=3 fixed val batches of 4
     single = analyze.analyze_compare(str(out / "lime"))  # a single (non --compare) run folder works too
-    assert single["router"]["shares"] == saved["router"]["shares"] and os.path.getsize(out / "lime" / "router_map.png")
+    (router,) = single["routers"].values()
+    assert router["shares"] == saved["routers"]["lime"]["shares"] and os.path.getsize(out / "lime" / "router_map.png")
 
 
 def test_analyze_router_maps_blank_unread_sources(tmp_path, monkeypatch):
@@ -2260,7 +2435,7 @@ def test_analyze_max_sequences_must_be_positive(tmp_path, max_sequences):
 def test_analyze_cli_error_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, "analyze.py", str(tmp_path)], cwd=HERE, capture_output=True, text=True,
                        timeout=60)
-    assert r.returncode == 1 and r.stderr.startswith("error: ") and "python train.py --compare" in r.stderr
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and "python compare.py" in r.stderr
     assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0
 
 
