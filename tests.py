@@ -2470,6 +2470,9 @@ def test_course_handout(tmp_path):
     code = (tmp_path / "three" / "lime.py").read_text()
     assert re.findall(r"exercise (\d)", code) == ["3", "3", "3"]             # opens, error, closes: 3 alone
     assert 'return torch.einsum("rj,...jd->...rd", W, stack)' in code         # exercise 1's code, no markers
+    ref = open(os.path.join(HERE, "lime.py")).read()
+    assert kit.same_outside_regions(code.replace("raise NotImplementedError", "pass  #"), ref)  # (a solution)
+    assert not kit.same_outside_regions(code.replace("eps=1e-6", "eps=1e-5"), ref)
     text = (tmp_path / "three" / "ASSIGNMENT.md").read_text()
     assert "## Exercise 3" in text and "## Exercise 1" not in text
     r = subprocess.run([sys.executable, KIT, str(out)], capture_output=True, text=True, timeout=120)

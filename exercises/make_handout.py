@@ -51,8 +51,8 @@ Exercise 1: LIMe's mix for one layer l >= 1 (the formula atop lime.py; the paper
   loop over heads and with the fast path (FusedMix)."""),
     2: ("init W_l: U(-b, b) where read, 0 elsewhere, own block I", """\
 Exercise 2: initialise layer l's router W = W_l (l >= 1), in place (under no_grad).
-  W: (H, (l+1)*H), its columns the source heads of layers 0..l, layer-major;
-     the last H columns are layer l's own heads.
+  W: (H, (l+1)*H), H = W.shape[0]; its columns are the source heads of layers 0..l,
+     layer-major; the last H columns are layer l's own heads.
   mask = source_mask(l, H, self.config.lime_sources): ((l+1)*H,) of 0/1, the columns
      layer l reads ("all": all; "first" / "previous": layer 0 / layer l-1, and its own).
   1. the columns read: U(-b, +b), b = sqrt(3 / fan_in), fan_in = the number of columns
@@ -69,8 +69,8 @@ holds what this layer's attention used for the tokens before them.
   past = the number of tokens cached before this call (cache.k[self.layer] is None at first).
   k, v = cache.update(self.layer, k, v) appends them, returns all: (B, H, past + T, hd).
   Then T queries meet past + T keys. With past > 0, is_causal=True is wrong (SDPA aligns its
-  causal mask to the top left): set causal = False and mask = a (T, past + T) bool tensor,
-  True where new token i (position past + i) may see key j, i.e. j <= past + i.
+  causal mask to the top left): set causal = False and mask = a (T, past + T) bool tensor
+  (on x.device), True where new token i (position past + i) may see key j: j <= past + i.
   With past == 0 keep causal = True, mask = None.
   Think: why is caching the MIXED k, v enough, and exact? (KVCache's docstring)"""),
     4: ("mix = the routers' forward FLOPs per token", """\
@@ -125,14 +125,19 @@ def stub_text(text, chosen, path="?"):
 def restore_text(handout, reference, path="?"):
     """handout's marked regions with the reference's code pasted back between their markers (a teacher's check
     that a handout is the reference less the stubs; the tests use it)."""
-    code = {n: reference.splitlines(keepends=True)[i + 1:j] for n, _, _, i, j in regions(
-        reference.splitlines(keepends=True), path)}
+    ref = reference.splitlines(keepends=True)
+    code = {n: ref[i + 1:j] for n, _, _, i, j in regions(ref, path)}
     lines = handout.splitlines(keepends=True)
     out, k = [], 0
     for n, _, _, i, j in regions(lines, path):
         out += lines[k:i + 1] + code[n]
         k = j
     return "".join(out + lines[k:])
+
+
+def same_outside_regions(text, reference):
+    """True when text (a student's file) is reference but for the code between the markers it holds."""
+    return stub_text(restore_text(text, reference), ()) == stub_text(reference, ())
 
 
 def assignment_text(text, chosen):
@@ -184,8 +189,10 @@ def repo_files(root):
 
 def make_handout(out, chosen, root=ROOT):
     """Write the handout of exercises `chosen` into out (absent or empty); returns the files written."""
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise ValueError(f"{out} is not empty (or is a file); a handout goes into a new or empty folder")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"{out} is a file; a handout goes into a new or empty folder")
+    if os.path.isdir(out) and os.listdir(out):
+        raise ValueError(f"{out} is not empty; a handout goes into a new or empty folder (nothing was written)")
     files = [f for f in repo_files(root) if f.split(os.sep)[0] != KIT]
     with open(os.path.join(root, KIT, "ASSIGNMENT.md"), encoding="utf-8") as f:
         assignment = relink(assignment_text(f.read(), chosen), KIT, "")
@@ -194,9 +201,11 @@ def make_handout(out, chosen, root=ROOT):
         if f.endswith((".py", ".md")):
             with open(os.path.join(root, f), encoding="utf-8") as fh:
                 text = fh.read()
-            found = regions(text.splitlines(), f) if f.endswith(".py") else []
-            marked |= {n for n, *_ in found}
-            texts[f] = stub_text(text, chosen, f) if found else relink(text, os.path.dirname(f), os.path.dirname(f))
+            if f.endswith(".md"):
+                texts[f] = relink(text, os.path.dirname(f), os.path.dirname(f))
+            elif found := regions(text.splitlines(), f):
+                marked |= {n for n, *_ in found}
+                texts[f] = stub_text(text, chosen, f)
     if marked - set(HINTS):
         raise ValueError(f"a region marks exercise {min(marked - set(HINTS))}, which has no HINTS in {__file__}")
     missing = sorted(n for n in set(chosen) & set(HINTS) if n not in marked)
