@@ -133,8 +133,10 @@ def keys_values(kv, lime_kv, mixed):
 def lime_mix(kvs, W):
     """The formula for one layer l >= 1. kvs: the raw keys (or values) of layers 0..l, each (..., H, hd);
     W: W_l, (H, (l+1)*H). Returns the mixed keys (or values), (..., H, hd)."""
+    # >>> exercise 1: lime_mix
     stack = torch.cat(kvs, dim=-2)                          # (..., (l+1)*H, hd), layer-major source heads
     return torch.einsum("rj,...jd->...rd", W, stack)        # (..., H, hd): head r = sum_j W[r, j] * head j
+    # <<< exercise 1
 
 
 class PlainMix:
@@ -297,11 +299,13 @@ class CausalSelfAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)     # RoPE after the mix
         mask, causal = None, True
         if cache is not None:
+            # >>> exercise 3: KV cache step
             past = 0 if cache.k[self.layer] is None else cache.k[self.layer].shape[2]
             k, v = cache.update(self.layer, k, v)                   # (B, H, past + T, hd)
             if past > 0:                                            # new tokens see all the past
                 causal = False
                 mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
+            # <<< exercise 3
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, C)                      # (B, T, C)
@@ -442,11 +446,13 @@ class GPT(nn.Module):
             for l, block in enumerate(self.transformer.h):
                 W = block.attn.router
                 if W is not None:
+                    # >>> exercise 2: router init
                     mask = source_mask(l, W.shape[0], self.config.lime_sources)  # ((l+1)*H,) 0/1
                     H, bound = W.shape[0], math.sqrt(3.0 / int(mask.sum()))
                     W.uniform_(-bound, bound)
                     W[:, mask == 0] = 0.0
                     W[:, -H:] = torch.eye(H)
+                    # <<< exercise 2
 
     def get_num_params(self):
         """Number of parameters (the tied embedding / LM head counted once)."""
@@ -497,7 +503,9 @@ class GPT(nn.Module):
         c = self.config
         D, H, hd = c.n_embd, c.n_head, c.n_embd // c.n_head
         layer = 2 * D * 3 * D + 2 * D * D + 3 * 2 * D * c.mlp_hidden + 2 * 2 * T * D
+        # >>> exercise 4: router FLOPs
         mix = sum(2 * len(c.lime_kv) * (l + 1) * H * H * hd for l in range(1, c.n_layer)) if c.lime else 0
+        # <<< exercise 4
         n = c.hc_rate
         hc = 2 * (n + 1) * n * D + (2 * n * D * (n + 1) + 2 * n * D if c.hc_dynamic else 0)
         return c.n_layer * (layer + 2 * hc) + mix + 2 * D * c.vocab_size

@@ -30,7 +30,7 @@ import prepare_data
 import sample
 import train
 from analyze import head_shares, renyi_entropy, router_shares, standardize
-from lime import GPT, GPTConfig, FusedMix, PlainMix, source_routers
+from lime import GPT, GPTConfig, FusedMix, PlainMix, lime_mix, source_routers
 from prepare_data import get_tokenizer, load_meta, load_tokens, prepare
 from common import save_checkpoint
 
@@ -59,6 +59,16 @@ def randomize_routers(model, seed=1):
             W.copy_(torch.randn(W.shape, generator=g, dtype=W.dtype) * 0.5)
 
 
+def with_random_routers(config):
+    """GPT(config) with randomize_routers in place of GPT._init_routers, for the tests that never read the init:
+    on a course handout (exercises/) they then grade their own exercise, whether or not exercise 2 is done."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GPT, "_init_routers", lambda self: None)
+        model = GPT(config)
+    randomize_routers(model)
+    return model
+
+
 # ----------------------------------------------------------------------------- lime.py: the method
 
 SWITCHES = [dict(lime_kv=kv, lime_sources=src) for kv in ("kv", "k", "v") for src in ("all", "first", "previous")]
@@ -84,6 +94,7 @@ def test_identity_routers_equal_baseline(switches):
     assert diff <= 1e-6
 
 
+@pytest.mark.ex2
 def test_same_seed_gives_same_non_router_weights():
     base, lime = make(False), make(True)
     sd = lime.state_dict()
@@ -105,6 +116,7 @@ def test_causality(lime):
         assert not torch.allclose(logits[:, t], logits2[:, t])
 
 
+@pytest.mark.ex2
 def test_router_init():
     model = make(True, n_layer=6, n_head=3, n_embd=24)
     H = 3
@@ -118,6 +130,7 @@ def test_router_init():
         assert (other != 0).any()
 
 
+@pytest.mark.ex2
 @pytest.mark.parametrize("sources", ["first", "previous"])
 def test_router_init_restricted_sources(sources):
     """W_l keeps its (H, (l+1)*H) shape; the columns of the layers not read are exactly +0.0, the own block is I,
@@ -241,11 +254,26 @@ def check_mix_against_formula(L, group, lime_kv="kv", sources="all"):
     return g
 
 
-@pytest.mark.parametrize("L,group", [(1, 8), (2, 8), (4, 8), (7, 2), (7, 3), (9, 4)])
+@pytest.mark.ex1
+def test_lime_mix_by_hand():
+    """lime_mix on numbers worked out by hand (H = 2, hd = 2, layer l = 1): source heads layer-major, any leading
+    dims, the same W at every position."""
+    k0, k1 = torch.tensor([[1., 2.], [3., 4.]]), torch.tensor([[5., 6.], [7., 8.]])  # layers 0, 1: (H, hd)
+    W = torch.tensor([[1., 0., 0., 1.],    # head 0 = layer 0 head 0 + layer 1 head 1 = [8, 10]
+                      [0., 2., -1., 0.]])  # head 1 = 2 * layer 0 head 1 - layer 1 head 0 = [1, 2]
+    mixed = torch.tensor([[8., 10.], [1., 2.]])
+    assert torch.equal(lime_mix([k0, k1], W), mixed)
+    t = torch.arange(1., 4.).view(3, 1, 1, 1)                                    # 3 positions: (3, 1, H, hd)
+    assert torch.equal(lime_mix([k0 * t, k1 * t], W), mixed * t)
+
+
+@pytest.mark.parametrize("L,group", [(1, 8)] + [pytest.param(L, g, marks=pytest.mark.ex1)  # (1 layer: no mix)
+                                     for L, g in [(2, 8), (4, 8), (7, 2), (7, 3), (9, 4)]])
 def test_fast_mix_matches_reference_formula(L, group):
     check_mix_against_formula(L, group)
 
 
+@pytest.mark.ex1
 @pytest.mark.parametrize("lime_kv", ["kv", "k", "v"])
 @pytest.mark.parametrize("sources", ["all", "first", "previous"])
 def test_mix_switches_match_reference_formula(lime_kv, sources):
@@ -426,13 +454,14 @@ def test_bench_measure_and_table_tiny(capsys):
     assert hc["act_bytes"] > base["act_bytes"]
 
 
+@pytest.mark.ex3
 @pytest.mark.parametrize("lime, switches", [(False, {}), (True, {})] + [(True, s) for s in SWITCHES[1:]] +
                          [(False, dict(hc_rate=4)), (True, dict(hc_rate=2, hc_dynamic=False))], ids=switch_id)
 def test_kv_cache_generation_matches_uncached(lime, switches):
     """Greedy generation through the KV cache equals the uncached argmax, past block_size too, for every LIMe
     switch (HC: the cache is attention's alone, the streams are recomputed for the new tokens)."""
-    model = make(lime, **switches).eval()
-    randomize_routers(model)
+    torch.manual_seed(0)
+    model = with_random_routers(tiny_config(lime, **switches)).eval()
     if switches.get("hc_rate"):
         port_reference_hc(model, reference_hc_weights(model))
     bs = model.config.block_size
@@ -447,10 +476,11 @@ def test_kv_cache_generation_matches_uncached(lime, switches):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.ex3
 def test_kv_cache_is_baseline_sized():
     from lime import KVCache
     for lime in (False, True):
-        model = make(lime).eval()
+        model = with_random_routers(tiny_config(lime)).eval()
         cache = KVCache(model.config.n_layer)
         with torch.no_grad():
             model(torch.randint(0, 61, (2, 7)), cache=cache)
@@ -459,6 +489,7 @@ def test_kv_cache_is_baseline_sized():
         assert all(k.shape == v.shape == (2, 4, 8, 8) for k, v in zip(cache.k, cache.v))
 
 
+@pytest.mark.ex4
 @pytest.mark.parametrize("lime", [False, True])
 @pytest.mark.parametrize("shape", [dict(n_layer=3, n_head=4, n_embd=32, block_size=32, vocab_size=64),
                                    dict(n_layer=5, n_head=2, n_embd=48, block_size=24, vocab_size=100)])
@@ -466,7 +497,7 @@ def test_flops_match_flop_counter(lime, shape):
     """flops_per_token counts attention over the full T x T square, as the math SDPA kernel computes it
     (the fused CPU kernel reports 0 FLOPs to FlopCounterMode, so route attention through math)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(lime=lime, **shape))
+    model = with_random_routers(GPTConfig(lime=lime, **shape))
     B, T = 2, shape["block_size"]
     idx = torch.randint(0, shape["vocab_size"], (B, T))
     expected = model.flops_per_token(T) * B * T
@@ -479,6 +510,7 @@ def test_flops_match_flop_counter(lime, shape):
     assert abs(both.get_total_flops() / (3 * expected) - 1) < 0.01
 
 
+@pytest.mark.ex4
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("switches", SWITCHES, ids=switch_id)
 def test_flops_match_flop_counter_every_switch(switches, fused):
@@ -486,7 +518,7 @@ def test_flops_match_flop_counter_every_switch(switches, fused):
     mixes one of the two; a restricted lime_sources pays for the full mix (its masked entries are zeros)."""
     torch.manual_seed(0)
     shape = dict(n_layer=5, n_head=2, n_embd=16, block_size=8, vocab_size=50)
-    model = GPT(GPTConfig(lime=True, fused_mix=fused, **shape, **switches))
+    model = with_random_routers(GPTConfig(lime=True, fused_mix=fused, **shape, **switches))
     idx = torch.randint(0, 50, (2, 8))
     expected = model.flops_per_token(8) * 2 * 8
     with sdpa_kernel(SDPBackend.MATH):
@@ -1797,17 +1829,19 @@ def test_train_cli_error_is_one_line(tmp_path):
 def test_train_progress_reaches_a_pipe_while_running(tiny_data, tmp_path):
     """`python train.py ... > log` then `tail -f log`: stdout is line-buffered, so the header line is
     readable while the run is still going (block-buffered, it would arrive only at exit)."""
+    err = open(tmp_path / "stderr", "w")  # (a file, not a pipe nobody reads; shown if the run fails)
     p = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), *tiny_data(
         "--max_iters=400", "--eval_interval=400", "--log_interval=400", f"--out_dir={tmp_path / 'o'}")],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=err, text=True, cwd=tmp_path,
         env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"})  # (as a user's shell has it)
     try:
         first = p.stdout.readline()
-        assert first.startswith("baseline: ")
+        assert first.startswith("baseline: "), (tmp_path / "stderr").read_text()
         assert not os.path.exists(tmp_path / "o" / "ckpt.pt")  # (saved at iteration 400, the end)
     finally:
         p.kill()
         p.wait()
+        err.close()
 
 
 def test_compare_cli_os_error_is_one_line(tmp_path):
@@ -1911,7 +1945,7 @@ def test_compare_ddp_two_processes_match_one(tiny_data, tmp_path):
                       "--seed=5", f"--out_dir={tmp_path / 'two'}")
     (tmp_path / "rank0_fails.py").write_text(RANK0_FAILS.format(here=HERE))
     r = torchrun(str(tmp_path / "rank0_fails.py"), *flags)
-    assert r.returncode != 0 and "injected: no space left on device" in r.stderr
+    assert r.returncode != 0 and "injected: no space left on device" in r.stderr, r.stderr
     r = torchrun(os.path.join(HERE, "compare.py"), *flags, "--resume=True")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr
     assert r.stdout.count("resuming at iter 4") == 1 and r.stdout.count("nothing to do") == 3  # rank 1 prints nothing
@@ -2571,3 +2605,93 @@ def test_analyze_separability_too_rare(tmp_path, capsys):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and r.stderr.startswith("error: token separability of ") and "'hear': 3;" in r.stderr
     assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0
+
+
+# ----------------------------------------------------------------------------- exercises/: the course kit
+
+KIT = os.path.join(HERE, "exercises", "make_handout.py")
+NEED_A_STUB = ["test_identity_routers_equal_baseline and kv-all", "test_causality", "test_parameter_count",
+               "test_sample_decodes_with_requested_length", "test_markdown_links_resolve"]  # (or no stub at all)
+
+
+def run_pytest(folder, select):
+    """`python -m pytest tests.py -k select` in folder -> {test: (outcome, message, the exercises it grades)}."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "tests.py", "-q", "-p", "no:cacheprovider", "-k", select,
+                        "--tb=native", f"--junitxml={folder / 'report.xml'}"],  # (native: pytest's own tracebacks
+                       cwd=folder, capture_output=True, text=True, timeout=600)  # take seconds for 54 failures)
+    import xml.etree.ElementTree as ET
+    results = {}
+    for case in ET.parse(folder / "report.xml").getroot().iter("testcase"):
+        end = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
+        graded = {int(p.get("value")) for p in case.iter("property") if p.get("name") == "exercise"}  # conftest.py
+        results[case.get("name")] = ("passed", "", graded) if end is None else (end.tag, end.get("message"), graded)
+    assert results, r.stdout[-3000:] + r.stderr
+    return results
+
+
+@pytest.mark.skipif(not os.path.exists(KIT), reason="a course handout: the teacher's kit (exercises/) is not in it")
+def test_course_handout(tmp_path):
+    """exercises/make_handout.py OUT: on the handout exactly the tests of exercises 1-4 fail, each with its stub's
+    NotImplementedError; the tests that only need a stubbed exercise skip naming it (in-process, in a fixture, in
+    a train.py subprocess), the rest pass. With the reference code pasted back between the markers every file is
+    the repository's again, and the tests pass. --exercises=3 stubs exercise 3 alone; a non-empty OUT, an unknown
+    exercise: one error line, nothing written."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("make_handout", KIT)
+    kit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kit)
+    out = tmp_path / "handout"
+    r = subprocess.run([sys.executable, KIT, str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("wrote "), r.stderr
+    ours = [f for f in kit.repo_files(HERE) if not f.startswith("exercises" + os.sep)]
+    theirs = sorted(os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs)
+    assert theirs == sorted(ours + ["ASSIGNMENT.md"])
+    assert markdown_link_errors(str(out), ["ASSIGNMENT.md"]) == []
+    assert markdown_link_errors(HERE, ["exercises/ASSIGNMENT.md", "exercises/TEACHERS.md"]) == []
+    code = (out / "lime.py").read_text()
+    assert sorted(re.findall(r'raise NotImplementedError\("exercise (\d):', code)) == ["1", "2", "3", "4"]
+    assert max(map(len, code.splitlines())) <= 120
+
+    # the handout: the graded tests fail with their exercise's error, the rest pass or skip naming the exercise
+    results = run_pytest(out, " or ".join(["ex1", "ex2", "ex3", "ex4", "test_train_progress_reaches_a_pipe"]
+                                          + NEED_A_STUB))
+    for name, (outcome, message, graded) in results.items():
+        if graded:
+            assert outcome == "failure" and any(f"NotImplementedError: exercise {n}:" in message for n in graded), name
+        else:
+            assert outcome == "passed" or outcome == "skipped" and message.startswith("needs exercise "), name
+    assert {n for _, _, graded in results.values() for n in graded} == {1, 2, 3, 4}
+    assert results["test_causality[True]"][1].startswith("needs exercise 2")                       # in the test
+    assert results["test_sample_decodes_with_requested_length"][1].startswith("needs exercise 2")  # in a fixture
+    assert results["test_train_progress_reaches_a_pipe_while_running"][1].startswith("needs exercise 4")  # script
+    assert results["test_causality[False]"][0] == results["test_markdown_links_resolve"][0] == "passed"
+
+    # the reference code pasted back: the repository's files again, and the tests pass
+    for f in ours:
+        ref, handout = open(os.path.join(HERE, f), "rb").read(), (out / f).read_bytes()
+        if f.endswith(".py"):
+            (out / f).write_text(kit.restore_text(handout.decode(), ref.decode()))
+        elif f.endswith(".md"):  # (less the lines that link to the teacher's exercises/)
+            ref = kit.relink(ref.decode(), os.path.dirname(f), os.path.dirname(f)).encode()
+        assert (out / f).read_bytes() == ref, f
+    results = run_pytest(out, " or ".join(["test_lime_mix_by_hand", "test_router_init", "test_kv_cache_is_baseline",
+                                           "test_flops_match_flop_counter_every_switch and kv-all"] + NEED_A_STUB))
+    assert {outcome for outcome, _, _ in results.values()} == {"passed"} and len(results) >= 10
+
+    # a subset; the refusals
+    kit.main([str(tmp_path / "three"), "--exercises=3"])
+    code = (tmp_path / "three" / "lime.py").read_text()
+    assert re.findall(r"exercise (\d)", code) == ["3", "3", "3"]             # opens, error, closes: 3 alone
+    assert 'return torch.einsum("rj,...jd->...rd", W, stack)' in code         # exercise 1's code, no markers
+    ref = open(os.path.join(HERE, "lime.py")).read()
+    assert kit.same_outside_regions(code.replace("raise NotImplementedError", "pass  #"), ref)  # (a solution)
+    assert not kit.same_outside_regions(code.replace("eps=1e-6", "eps=1e-5"), ref)
+    text = (tmp_path / "three" / "ASSIGNMENT.md").read_text()
+    assert "## Exercise 3" in text and "## Exercise 1" not in text
+    r = subprocess.run([sys.executable, KIT, str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
+    assert "not empty" in r.stderr
+    for bad in ("--exercises=7", "--exercises=1,x", "--exercises="):
+        with pytest.raises(ValueError, match="is not a list of exercises"):
+            kit.main([str(tmp_path / "bad"), bad])
+    assert not os.path.exists(tmp_path / "bad")
