@@ -102,6 +102,16 @@ def apply_rope(x, cos, sin):
 #           backward runs last and computes them all in a few big matmuls.
 # ----------------------------------------------------------------------------------------------------
 
+def lime_mix(kvs, W):
+    """The formula for one layer l >= 1. kvs: the raw keys (or values) of layers 0..l, each (..., H, hd);
+    W: W_l, (H, (l+1)*H). Returns the mixed keys (or values), (..., H, hd)."""
+    # >>> exercise 1: lime_mix
+    stack = torch.cat(kvs, dim=-2)                          # (..., (l+1)*H, hd), layer-major source heads
+    return torch.einsum("rj,...jd->...rd", W, stack)        # (..., H, hd): head r = sum_j W[r, j] * head j
+    # <<< exercise 1
+
+
+# The switches that take the method apart (lime_kv, lime_sources; the defaults are the paper's):
 LIME_KV = {"kv": slice(0, 2), "k": slice(0, 1), "v": slice(1, 2)}  # lime_kv -> what is mixed of kv's (keys, values)
 LIME_SOURCES = ("all", "first", "previous")                          # lime_sources
 
@@ -128,15 +138,6 @@ def keys_values(kv, lime_kv, mixed):
     own = dict(zip("kv", kv.permute(2, 0, 3, 1, 4).unbind(0)))      # "k", "v": (B, H, T, hd)
     own.update(zip(lime_kv, mixed))
     return own["k"], own["v"]
-
-
-def lime_mix(kvs, W):
-    """The formula for one layer l >= 1. kvs: the raw keys (or values) of layers 0..l, each (..., H, hd);
-    W: W_l, (H, (l+1)*H). Returns the mixed keys (or values), (..., H, hd)."""
-    # >>> exercise 1: lime_mix
-    stack = torch.cat(kvs, dim=-2)                          # (..., (l+1)*H, hd), layer-major source heads
-    return torch.einsum("rj,...jd->...rd", W, stack)        # (..., H, hd): head r = sum_j W[r, j] * head j
-    # <<< exercise 1
 
 
 class PlainMix:
