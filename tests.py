@@ -2438,7 +2438,9 @@ def test_analyze_router_maps_blank_unread_sources(tmp_path, monkeypatch):
     draw = analyze.plot_shares
     monkeypatch.setattr(analyze, "plot_shares", lambda M, path, *a, mask=None: (
         masks.__setitem__(os.path.basename(path), mask), draw(M, path, *a, mask=mask))[1])
-    result = analyze.analyze_compare(str(out / "lime"))["router"]
+    routers = analyze.analyze_compare(str(out / "lime"))["routers"]
+    assert list(routers) == [os.path.normpath(out / "lime")]  # a single run folder: named by its path
+    result = routers[os.path.normpath(out / "lime")]
     blank = [[False, True, True], [False, False, True], [True, False, False]]  # layer 2 doesn't read layer 0
     assert masks["router_map.png"].tolist() == blank
     assert masks["router_heads.png"].tolist() == [[True, False, False]] * 2   # layer 2, its 2 heads
