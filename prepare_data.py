@@ -278,12 +278,15 @@ def _prepare_cmd(data_dir):
             task = re.fullmatch(r"arithmetic task: (\d+) operands mod (\d+), seed (\d+)", json.load(f)["source"])
     except Exception:  # (no meta.json, not JSON, no source: not a task we can tell)
         task = None
-    cmd = "python prepare_data.py" if name == "quickstart" else \
-          f"python prepare_data.py --task=arithmetic --operands={name[10:]}".replace("_p", " --prime=") \
-          if re.fullmatch(r"arithmetic\d+(_p\d+)?", name) else \
-          f"python prepare_data.py --task=arithmetic --operands={task[1]}" + (task[2] != "7") * f" --prime={task[2]}" \
-          + (task[3] != "1337") * f" --seed={task[3]}" + f" --name={shlex.quote(name)}" if task else \
-          f"python prepare_data.py --input=YOUR_TEXT.txt --name={shlex.quote(name)}"
+    if name == "quickstart":
+        cmd = "python prepare_data.py"
+    elif re.fullmatch(r"arithmetic\d+(_p\d+)?", name):
+        cmd = f"python prepare_data.py --task=arithmetic --operands={name[10:]}".replace("_p", " --prime=")
+    elif task:
+        cmd = (f"python prepare_data.py --task=arithmetic --operands={task[1]}" + (task[2] != "7") * f" --prime={task[2]}"
+               + (task[3] != "1337") * f" --seed={task[3]}" + f" --name={shlex.quote(name)}")
+    else:
+        cmd = f"python prepare_data.py --input=YOUR_TEXT.txt --name={shlex.quote(name)}"
     return cmd if parent == "data" else f"{cmd} --data_dir={shlex.quote(parent or '.')}"
 
 def load_meta(data_dir):
@@ -345,7 +348,8 @@ def load_rows(data_dir, split, meta):
     if n and int(rows.max()) >= meta["vocab_size"]:  # as load_tokens: a wrong meta.json fails here
         raise ValueError(f"{path} holds token id {int(rows.max())}, but meta.json says vocab_size="
                          f"{meta['vocab_size']}; re-run: {_prepare_cmd(data_dir)}")
-    bad = sum(int((~has_solution(rows[i:i + 65536], meta)).sum()) for i in range(0, n, 65536))
+    step = max(1, 2**24 // L)  # rows at a time: ~16M tokens
+    bad = sum(int((~has_solution(rows[i:i + step], meta)).sum()) for i in range(0, n, step))
     if bad:  # no loss to learn or evaluate there: a val loss of nan, found before training rather than after
         raise ValueError(f"{path}: {bad:,} of its {n:,} rows have no solution tokens (no '=', or nothing but "
                          f"padding after the first one), so there is no loss to learn or measure on them; "
