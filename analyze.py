@@ -36,7 +36,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from prepare_data import CharTokenizer, atomic_file, get_tokenizer, load_meta, load_rows, load_tokens
+from prepare_data import CharTokenizer, atomic_file, get_tokenizer, load_meta, load_rows, load_tokens, on_full_disk
 from common import check_dataset, find_runs, fixed_val_batches, load_checkpoint, setup_device
 from lime import source_mask, source_routers
 
@@ -373,6 +373,21 @@ def parse_words(words):
 # -----------------------------------------------------------------------------
 # figures
 
+def write_file(path, write, mode="wb"):
+    """write(f) into path atomically (see atomic_file); on a full disk one error that says what was kept."""
+    kept = (f"it is unchanged, the files written before it are complete; free some space and run "
+            f"analyze.py again")
+    with on_full_disk(path, kept), atomic_file(path, mode) as f:
+        write(f)
+
+
+def save_figure(fig, path):
+    try:
+        write_file(path, lambda f: fig.savefig(f, format="png", dpi=120))
+    finally:
+        plt.close(fig)
+
+
 def plot_shares(M, path, title, xlabel, ylabel, clabel, mask=None):
     """Heat map of shares in [0, 1], each cell labelled when there are few enough; mask: cells left blank."""
     rows, cols = M.shape
@@ -386,9 +401,7 @@ def plot_shares(M, path, title, xlabel, ylabel, clabel, mask=None):
     ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label=clabel)
     fig.tight_layout()
-    with atomic_file(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_entropy(curves, path, title):
@@ -403,9 +416,7 @@ def plot_entropy(curves, path, title):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    with atomic_file(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 def plot_separability(curves, path, title, chance):
     """curves: {label: separability() result}; two panels, values and hidden states, mean +- std per layer."""
@@ -425,8 +436,7 @@ def plot_separability(curves, path, title, chance):
     axes[1].legend(fontsize=8, loc="lower right")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 # -----------------------------------------------------------------------------
 # the comparison run
@@ -434,6 +444,13 @@ def plot_separability(curves, path, title, chance):
 def runs_to_analyze(out_dir, extra=()):
     """{name: run dir}: the first seed's run of every variant of a comparison folder (common.find_runs)
     that has a checkpoint, or OUT itself if it is a single run; then the extra run dirs, named by their path."""
+    if os.path.isfile(out_dir):
+        raise ValueError(f"{out_dir} is a file; give the comparison's folder (the one holding baseline/ and lime/) "
+                         f"or a run's folder")
+    for d in extra:  # found now, not after the other runs were analysed
+        if not os.path.exists(os.path.join(d, "ckpt.pt")):
+            raise FileNotFoundError(f"no checkpoint at {os.path.join(d, 'ckpt.pt')} (an extra run dir given to "
+                                    f"analyze.py); give run folders that hold a ckpt.pt")
     runs = {}
     for v in find_runs(out_dir):
         d = v["runs"][0][1]
@@ -545,15 +562,15 @@ def analyze_compare(out_dir, device="cpu", extra=(), layer=None, max_sequences=M
                 for kind in ("values", "hidden")}
         print(f"wrote {out_dir}/separability.png: last layer accuracy, values: {last['values']}; "
               f"hidden states: {last['hidden']}")
-    with atomic_file(os.path.join(out_dir, "analysis.json")) as f:
-        json.dump(result, f, indent=1)
+    write_file(os.path.join(out_dir, "analysis.json"), lambda f: json.dump(result, f, indent=1), "w")
     return result
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="router maps, value entropy and token separability of a comparison run")
     p.add_argument("out_dir", help="a comparison folder (compare.py), or one run's folder")
-    p.add_argument("extra", nargs="*", help="more run dirs (each with ckpt.pt) for the value-entropy figure")
+    p.add_argument("extra", nargs="*", default=[], help="more run dirs (each with ckpt.pt) for the value-entropy "
+                   "figure (optional)")  # (the default keeps argparse from calling it required)
     p.add_argument("--layer", type=int, default=None, help="layer for the per-head router figure (default: last)")
     p.add_argument("--max_sequences", type=int, default=MAX_SEQUENCES,
                    help=f"validation sequences to use (whole batches, at most {MAX_BATCHES})")
@@ -564,6 +581,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.max_sequences < 1:
         raise ValueError(f"--max_sequences must be at least 1, got {args.max_sequences}")
+    if args.seed < 0:  # (numpy's own message, "expected non-negative integer", names no flag)
+        raise ValueError(f"--seed must be at least 0, got {args.seed}")
     device = setup_device(args.device, "float32")[0]  # ValueError if the device isn't there
     analyze_compare(args.out_dir, device, args.extra, args.layer, args.max_sequences, args.words, args.seed)
 
@@ -574,3 +593,6 @@ if __name__ == "__main__":
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)

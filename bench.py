@@ -4,7 +4,7 @@ memory, baseline vs LIMe (vs HC).
 
     python bench.py                                   # 8 and 32 layers at width 256, plus deep-narrow
     python bench.py --depths=4,16 --repeats=3 --rounds=1 --deep=False
-    python bench.py --device=cuda                     # bf16 autocast on CUDA
+    python bench.py --device=cuda                     # bf16 autocast on CUDA (or cuda:1, ...)
     python bench.py --fused_mix=False                 # LIMe through the plain formula (PlainMix) instead
     python bench.py --hc_rate=4                       # also Hyper-Connections (4 streams, dynamic): HC columns
 
@@ -33,6 +33,7 @@ from contextlib import nullcontext
 import torch
 
 from lime import GPT, GPTConfig
+from common import ArgParser, setup_device, str2bool
 
 
 def saved_activation_bytes(fn, exclude=()):
@@ -58,11 +59,12 @@ def measure(n_layer, n_embd, n_head, block_size, batch_size, vocab_size, lime, d
     torch.manual_seed(seed)
     cfg = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
                     n_embd=n_embd, lime=lime, fused_mix=fused_mix, hc_rate=hc_rate, hc_dynamic=hc_dynamic)
+    cuda = torch.device(device).type == "cuda"  # (cuda:1 too)
     model = GPT(cfg).to(device)
-    opt = model.configure_optimizers(0.1, 1e-3, device_type=device)
+    opt = model.configure_optimizers(0.1, 1e-3, device_type=torch.device(device).type)
     x = torch.randint(0, vocab_size, (batch_size, block_size), device=device)
-    autocast = torch.autocast("cuda", torch.bfloat16) if device == "cuda" else nullcontext()
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    autocast = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
 
     def step():
         with autocast:
@@ -82,8 +84,8 @@ def measure(n_layer, n_embd, n_head, block_size, batch_size, vocab_size, lime, d
     with autocast:
         act, (_, loss) = saved_activation_bytes(lambda: model(x, x), exclude=list(model.parameters()))
     del loss
-    if device == "cuda":
-        peak = torch.cuda.max_memory_allocated()
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(device)
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     step_s = statistics.median(times)
@@ -92,53 +94,95 @@ def measure(n_layer, n_embd, n_head, block_size, batch_size, vocab_size, lime, d
                 gflops_per_s=flops / step_s / 1e9)
 
 
+class WorkerFailed(RuntimeError):
+    """A benchmark's worker process failed (e.g. out of memory); the message says how, in one line."""
+
+
 def run_fresh(args):
     """measure(**args) in a fresh Python process; returns its result dict."""
     cmd = [sys.executable, os.path.abspath(__file__), "--_worker=" + json.dumps(args)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
-        raise RuntimeError(f"benchmark worker failed for {args}:\n{res.stderr.strip()}")
+        lines = res.stderr.strip().splitlines()
+        why = lines[-1].removeprefix("error: ") if lines else f"it exited with {res.returncode} and said nothing"
+        if res.returncode < 0:  # e.g. SIGKILL from the kernel's out-of-memory killer
+            why = f"killed by signal {-res.returncode}" + (" (out of memory?)" if res.returncode == -9 else "")
+        shape = ", ".join(f"{k}={args[k]}" for k in ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "lime"))
+        raise WorkerFailed(f"the benchmark process for {shape} failed: {why}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_depths(s):
+    """--depths=8,32 -> [8, 32]; ValueError unless they are whole numbers >= 1."""
+    try:
+        depths = [int(d) for d in s.split(",")]
+    except ValueError:
+        depths = []
+    if not depths or min(depths) < 1:
+        raise ValueError(f"--depths must be comma-separated whole numbers of layers >= 1, e.g. --depths=8,32; got {s!r}")
+    return depths
+
+
+def get_args(argv=None):
+    """The flags, checked: every mistake is a ValueError naming the flag, before anything runs."""
+    p = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--depths", default="8,32", help="comma-separated n_layer values at the main width")
     p.add_argument("--n_embd", type=int, default=256)
     p.add_argument("--n_head", type=int, default=8)
     p.add_argument("--block_size", type=int, default=256)
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--vocab_size", type=int, default=256)
-    p.add_argument("--deep", default="True", help="also the deep-narrow config: 24 layers, width 64, "
-                   "4 heads, block 128, batch 32")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--fused_mix", default="True", help="False: time LIMe's plain formula (PlainMix), not the fast path")
+    p.add_argument("--deep", type=str2bool, nargs="?", const=True, default=True, help="also the deep-narrow config: "
+                   "24 layers, width 64, 4 heads, block 128, batch 32")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, cuda:N")
+    p.add_argument("--fused_mix", type=str2bool, nargs="?", const=True, default=True,
+                   help="False: time LIMe's plain formula (PlainMix), not the fast path")
     p.add_argument("--hc_rate", type=int, default=0, help="n >= 1: also time Hyper-Connections with n streams")
-    p.add_argument("--hc_dynamic", default="True", help="False: static Hyper-Connections (with --hc_rate)")
+    p.add_argument("--hc_dynamic", type=str2bool, nargs="?", const=True, default=True,
+                   help="False: static Hyper-Connections (with --hc_rate)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5, help="timed steps per process (median taken)")
     p.add_argument("--rounds", type=int, default=3, help="fresh baseline + LIMe processes per config")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a._worker:
-        print(json.dumps(measure(**json.loads(a._worker))))
-        return
-    fused = a.fused_mix.lower() in ("true", "1", "yes")
-    common = dict(device=a.device, warmup=a.warmup, repeats=a.repeats)
+        return a, []
+    for k in ("n_embd", "n_head", "block_size", "batch_size", "vocab_size", "repeats", "rounds"):
+        if getattr(a, k) < 1:
+            raise ValueError(f"--{k} must be at least 1, got {getattr(a, k)}")
+    for k in ("warmup", "hc_rate"):
+        if getattr(a, k) < 0:
+            raise ValueError(f"--{k} must be at least 0, got {getattr(a, k)}")
+    a.device, device_type = setup_device(a.device, "float32")[:2]  # ValueError if unknown or not there
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"bench.py times cpu and cuda only, not --device={a.device}")
     rows = [(f"{d} layers, width {a.n_embd}",
-             dict(n_layer=int(d), n_embd=a.n_embd, n_head=a.n_head, block_size=a.block_size,
-                  batch_size=a.batch_size, vocab_size=a.vocab_size)) for d in a.depths.split(",")]
-    if a.deep.lower() in ("true", "1", "yes"):
+             dict(n_layer=d, n_embd=a.n_embd, n_head=a.n_head, block_size=a.block_size,
+                  batch_size=a.batch_size, vocab_size=a.vocab_size)) for d in parse_depths(a.depths)]
+    if a.deep:
         rows.append(("24 layers, width 64 (deep)",
                      dict(n_layer=24, n_embd=64, n_head=4, block_size=128, batch_size=32,
                           vocab_size=a.vocab_size)))
-    if min(a.repeats, a.rounds) < 1 or a.warmup < 0 or a.hc_rate < 0:
-        p.error("--repeats and --rounds must be >= 1, --warmup and --hc_rate >= 0")
-    hc = dict(lime=False, hc_rate=a.hc_rate, hc_dynamic=a.hc_dynamic.lower() in ("true", "1", "yes"))
+    try:  # the model's own checks (e.g. an even head dim), on the meta device: no memory, no time
+        with torch.device("meta"):
+            GPT(GPTConfig(vocab_size=a.vocab_size, block_size=a.block_size, n_layer=1, n_head=a.n_head,
+                          n_embd=a.n_embd, lime=True))
+    except ValueError as e:
+        raise ValueError(f"--n_embd={a.n_embd} --n_head={a.n_head}: {e}") from None
+    return a, rows
+
+
+def main(argv=None):
+    a, rows = get_args(argv)
+    if a._worker:
+        print(json.dumps(measure(**json.loads(a._worker))))
+        return
+    common = dict(device=a.device, warmup=a.warmup, repeats=a.repeats)
+    hc = dict(lime=False, hc_rate=a.hc_rate, hc_dynamic=a.hc_dynamic)
     print(f"device={a.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"median of {a.repeats} steps after {a.warmup} warm-up, {a.rounds} rounds, "
-          f"LIMe mix: {'fused (FusedMix)' if fused else 'plain formula (PlainMix)'}"
-          + (f", HC: {a.hc_rate} streams, {'dynamic' if hc['hc_dynamic'] else 'static'}" if a.hc_rate else ""))
+          f"LIMe mix: {'fused (FusedMix)' if a.fused_mix else 'plain formula (PlainMix)'}"
+          + (f", HC: {a.hc_rate} streams, {'dynamic' if a.hc_dynamic else 'static'}" if a.hc_rate else ""))
     head = (f"{'config':<28} {'base ms':>8} {'lime ms':>8} {'time x (range)':>20} {'FLOP x':>7} {'act x':>6} "
             f"{'peak x':>7} {'act MiB b/l':>13} {'GFLOP/s b/l':>12}")
     if a.hc_rate:  # HC / baseline, the same measures
@@ -146,7 +190,7 @@ def main(argv=None):
     print(head)
     print("-" * len(head))
     for name, cfg in rows:
-        runs = [(run_fresh(dict(cfg, lime=False, **common)), run_fresh(dict(cfg, lime=True, fused_mix=fused, **common)))
+        runs = [(run_fresh(dict(cfg, lime=False, **common)), run_fresh(dict(cfg, lime=True, fused_mix=a.fused_mix, **common)))
                 + ((run_fresh(dict(cfg, **hc, **common)),) if a.hc_rate else ()) for _ in range(a.rounds)]
         med = [{k: statistics.median(r[i][k] for r in runs) for k in runs[0][i]} for i in range(len(runs[0]))]
         b, l = med[0], med[1]
@@ -167,4 +211,11 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, OSError, WorkerFailed) as e:  # bad flags, or a failed worker: one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)  # (in a worker, main's try reads this line back)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)

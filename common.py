@@ -1,21 +1,43 @@
 """
-What train.py, compare.py, sample.py and analyze.py share, so that those three never import one another:
-the device setup, the fixed evaluation batches, checkpoints (written atomically, read with
-weights_only=True), training logs, and where the runs of a comparison folder are.
+What train.py, compare.py, sample.py, analyze.py and bench.py share, so that those scripts never import one
+another: flag parsing, the device setup, the fixed evaluation batches, checkpoints (written atomically, read
+with weights_only=True), training logs, and where the runs of a comparison folder are.
 """
 
+import argparse
+import glob
 import json
 import os
 import re
 import sys
 import tempfile
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 
 import numpy as np
 import torch
 
 from lime import GPT, GPTConfig
-from prepare_data import atomic_file, same_encoding
+from prepare_data import atomic_file, on_full_disk, same_encoding
+
+
+def str2bool(s):
+    """argparse type of the boolean flags: --lime=True / --lime=False (also 1/0, yes/no, any case)."""
+    if s.lower() in ("true", "1", "yes"):
+        return True
+    if s.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, got {s!r}")
+
+
+class ArgParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are a ValueError (one "error: ..." line from the script's __main__) instead
+    of the usage text and exit 2; no abbreviated flags (--depth would silently mean --depths)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message):
+        raise ValueError(f"{message} (see python {self.prog} --help)")
 
 
 def sample_batch(data, block_size, batch_size, rng):
@@ -51,6 +73,9 @@ def setup_device(device, dtype):
         raise ValueError(f"unknown --device={device}; use auto, cpu, cuda, cuda:N or mps")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device={device} but torch sees no CUDA GPU; use --device=cpu")
+    if device_type == "cuda" and (torch.device(device).index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device={device} but torch sees {torch.cuda.device_count()} CUDA GPU(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     if device_type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"--device={device} but MPS is not available; use --device=cpu")
     if dtype == "auto":
@@ -80,9 +105,17 @@ def variant_name(config):
 
 def save_checkpoint(ckpt, out_dir):
     """Write ckpt (a dict of plain types and tensors) to out_dir/ckpt.pt atomically: temp file + rename,
-    so a crash mid-write never replaces a good checkpoint with a broken one."""
+    so a crash mid-write never replaces a good checkpoint with a broken one. Temp files that a process killed
+    mid-write left behind (.ckpt.pt.*.tmp, never read) are deleted first. A full disk: one DiskFullError
+    (an OSError) that says the previous checkpoint is unchanged."""
     os.makedirs(out_dir, exist_ok=True)
-    with atomic_file(os.path.join(out_dir, "ckpt.pt"), "wb") as f:
+    path = os.path.join(out_dir, "ckpt.pt")
+    for tmp in glob.glob(os.path.join(glob.escape(out_dir), ".ckpt.pt.*.tmp")):  # (one process writes a run)
+        with suppress(OSError):
+            os.remove(tmp)
+    kept = (f"{path} still holds the previous checkpoint, unchanged; free some space, then continue with "
+            f"--resume=True" if os.path.exists(path) else "no checkpoint was written; free some space and start again")
+    with on_full_disk(path, kept), atomic_file(path, "wb") as f:
         torch.save(ckpt, f)
 
 
@@ -120,6 +153,9 @@ def load_weights(model, ckpt, path):
 def load_checkpoint(out_dir, device="cpu"):
     """-> (model in eval mode on device, ckpt dict). Loaded with weights_only=True (no pickle code runs)."""
     path = os.path.join(out_dir, "ckpt.pt")
+    if os.path.isfile(out_dir):  # e.g. the checkpoint's own path
+        raise ValueError(f"{out_dir} is a file; give the run's folder, the one that holds ckpt.pt"
+                         + (f": {os.path.dirname(out_dir) or '.'}" if os.path.basename(out_dir) == "ckpt.pt" else ""))
     if not os.path.exists(path):
         inside = [d for v in find_runs(out_dir) for _, d in v["runs"][:1] if os.path.exists(os.path.join(d, "ckpt.pt"))]
         hint = (f"it is a comparison folder (compare.py): use one of its runs, e.g. {inside[-1]}" if inside else

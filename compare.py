@@ -39,7 +39,8 @@ import torch.distributed as dist
 
 import analyze
 import train
-from common import find_runs, make_out_dir, read_log, read_summary, run_dir, run_files, run_main, setup_device
+from common import (find_runs, make_out_dir, read_log, read_summary, run_dir, run_files, run_main, setup_device,
+                    str2bool)
 from lime import GPTConfig
 from prepare_data import atomic_file
 
@@ -136,7 +137,7 @@ def parse_variants(s):
             if key in overrides:
                 raise ValueError(f"{where}: {key} is set twice")
             try:
-                overrides[key] = train.str2bool(value) if types[key] is bool else types[key](value)
+                overrides[key] = str2bool(value) if types[key] is bool else types[key](value)
             except (ValueError, TypeError, argparse.ArgumentTypeError):
                 kind = {bool: "True or False", int: "an integer"}.get(types[key], "a number")
                 raise ValueError(f"{where}: {key} takes {kind}, got {value!r}") from None

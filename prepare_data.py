@@ -21,8 +21,10 @@ see the arithmetic task section below for the format.
 
 import argparse
 import contextlib
+import errno
 import hashlib
 import json
+import math
 import os
 import re
 import shlex
@@ -73,6 +75,42 @@ def atomic_file(path, mode="w"):
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # no space left on the device; the user's disk quota is used up
+
+def disk_full(e):
+    """The OSError behind exception e that says the disk (or quota) is full, or None. Also looks at what e was
+    raised from or while handling: torch.save reports a full disk as a RuntimeError ("enforce fail at
+    inline_container.cc") raised while handling the OSError."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in FULL_DISK_ERRNOS:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+class DiskFullError(OSError):
+    """A write failed because the disk is full. str() is the whole message: what failed and what was kept."""
+    def __str__(self):
+        return self.strerror
+
+@contextlib.contextmanager
+def on_full_disk(path, kept):
+    """`with on_full_disk(path, kept):` turns a write inside that fails because the disk is full (however the
+    library reports it, see disk_full) into one DiskFullError: "the disk is full (...) while writing <path>;
+    <kept>". kept says what the user still has and what to do, e.g. "the previous checkpoint is unchanged".
+    Every other error passes through as it is."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as e:
+        full = disk_full(e)
+        if full is None:
+            raise
+        raise DiskFullError(full.errno, f"the disk is full ({os.strerror(full.errno)}) while writing {path}; "
+                                        f"{kept}") from None
 
 # -----------------------------------------------------------------------------
 # tokenizers: everything is rebuilt from meta.json alone
@@ -166,7 +204,9 @@ def get_tokenizer(meta, encoding=None):
 # corpus -> tokens -> files
 
 def _write_bin(path, ids, dtype):
-    np.asarray(ids).astype(np.dtype(dtype).newbyteorder("<")).tofile(path)
+    # through a Python file: ndarray.tofile(path) reports a full disk as "N requested and 0 written", no errno
+    with open(path, "wb") as f:
+        f.write(np.ascontiguousarray(np.asarray(ids).astype(np.dtype(dtype).newbyteorder("<"))).data)
 
 def _write_dataset(out_dir, splits, meta):
     """Write out_dir/{<split>.bin for each split, meta.json} atomically. splits: {name: token ids}."""
@@ -180,30 +220,33 @@ def _write_dataset(out_dir, splits, meta):
         raise PermissionError(f"{out_dir} is read-only, so it can't be replaced (nothing was changed); make it "
                               f"writable (chmod u+w {shlex.quote(out_dir)}) or prepare under another --name")
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{name}.tmp-")  # unique, created exclusively
+    kept = (f"{out_dir} is unchanged (it still holds the old dataset)" if os.path.exists(out_dir) else
+            "no dataset was written") + "; free some space and run this again"
     old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
-    try:
-        os.chmod(tmp, 0o777 & ~_umask())  # the permissions makedirs would have given it (mkdtemp's are 0o700)
-        for split, ids in splits.items():
-            _write_bin(os.path.join(tmp, f"{split}.bin"), ids, meta["dtype"])
-        with open(os.path.join(tmp, "meta.json"), "w") as f:  # one key per line, "chars" last
-            f.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in
-                                        sorted(meta.items(), key=lambda kv: kv[0] == "chars")) + "\n}\n")
-        if os.path.exists(out_dir):  # no atomic dir-over-dir rename on POSIX: move the old one aside
-            os.rename(out_dir, old)
-            try:
+    with on_full_disk(out_dir, kept):  # one clear error (the temp folder removed, as after any error)
+        tmp = tempfile.mkdtemp(dir=parent, prefix=f".{name}.tmp-")  # unique, created exclusively
+        try:
+            os.chmod(tmp, 0o777 & ~_umask())  # the permissions makedirs would have given it (mkdtemp's are 0o700)
+            for split, ids in splits.items():
+                _write_bin(os.path.join(tmp, f"{split}.bin"), ids, meta["dtype"])
+            with open(os.path.join(tmp, "meta.json"), "w") as f:  # one key per line, "chars" last
+                f.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in
+                                            sorted(meta.items(), key=lambda kv: kv[0] == "chars")) + "\n}\n")
+            if os.path.exists(out_dir):  # no atomic dir-over-dir rename on POSIX: move the old one aside
+                os.rename(out_dir, old)
+                try:
+                    os.rename(tmp, out_dir)
+                except BaseException:
+                    os.rename(old, out_dir)  # put the old one back
+                    raise
+                try:  # the new dataset is in place: from here on, failing to clean up is not an error
+                    shutil.rmtree(old)
+                except OSError as e:
+                    print(f"note: could not delete the old copy {old} ({e.strerror}); delete it yourself")
+            else:
                 os.rename(tmp, out_dir)
-            except BaseException:
-                os.rename(old, out_dir)  # put the old one back
-                raise
-            try:  # the new dataset is in place: from here on, failing to clean up is not an error
-                shutil.rmtree(old)
-            except OSError as e:
-                print(f"note: could not delete the old copy {old} ({e.strerror}); delete it yourself")
-        else:
-            os.rename(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already if the rename happened
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already if the rename happened
 
 def prepare(text, out_dir, tokenizer="char", val_fraction=0.1, source="text", encoding=None):
     """Tokenize text, write out_dir/{train.bin,val.bin,meta.json} atomically, return meta."""
@@ -219,6 +262,9 @@ def prepare(text, out_dir, tokenizer="char", val_fraction=0.1, source="text", en
         ids = np.searchsorted(vocab, cps)
         meta["chars"] = [chr(c) for c in vocab]
         meta["vocab_size"] = len(vocab)
+        if len(vocab) < 2:  # (load_meta refuses such a dataset too)
+            raise ValueError(f"the text has only one distinct character, {meta['chars'][0]!r}: there is nothing to "
+                             f"predict; give it text with at least 2 different characters")
     elif tokenizer in ("gpt2", "tiktoken"):
         enc = encoding if encoding is not None else load_gpt2()
         ids = np.array(enc.encode_ordinary(text), dtype=np.int64)
@@ -245,15 +291,28 @@ def _prepare_cmd(data_dir):
     """The exact command that (re)creates the dataset at data_dir."""
     data_dir = os.path.normpath(data_dir)
     name, parent = os.path.basename(data_dir), os.path.dirname(data_dir)
-    cmd = "python prepare_data.py" if name == "quickstart" else \
-          f"python prepare_data.py --tokenizer=gpt2 --name={name}" if name == "shakespeare_gpt2" else \
-          f"python prepare_data.py --task=arithmetic --operands={name[10:]}".replace("_p", " --prime=") \
-          if re.fullmatch(r"arithmetic\d+(_p\d+)?", name) else \
-          f"python prepare_data.py --input=YOUR_TEXT.txt --name={shlex.quote(name)}"
+    try:  # a task's meta.json says how it was made (its "source"), whatever its folder is called
+        with open(os.path.join(data_dir, "meta.json")) as f:
+            task = re.fullmatch(r"arithmetic task: (\d+) operands mod (\d+), seed (\d+)", json.load(f)["source"])
+    except Exception:  # (no meta.json, not JSON, no source: not a task we can tell)
+        task = None
+    if name == "quickstart":
+        cmd = "python prepare_data.py"
+    elif name == "shakespeare_gpt2":
+        cmd = f"python prepare_data.py --tokenizer=gpt2 --name={name}"
+    elif re.fullmatch(r"arithmetic\d+(_p\d+)?", name):
+        cmd = f"python prepare_data.py --task=arithmetic --operands={name[10:]}".replace("_p", " --prime=")
+    elif task:
+        cmd = (f"python prepare_data.py --task=arithmetic --operands={task[1]}" + (task[2] != "7") * f" --prime={task[2]}"
+               + (task[3] != "1337") * f" --seed={task[3]}" + f" --name={shlex.quote(name)}")
+    else:
+        cmd = f"python prepare_data.py --input=YOUR_TEXT.txt --name={shlex.quote(name)}"
     return cmd if parent == "data" else f"{cmd} --data_dir={shlex.quote(parent or '.')}"
 
 def load_meta(data_dir):
-    """meta.json of a complete, consistent dataset; FileNotFoundError / ValueError otherwise."""
+    """meta.json of a complete, consistent dataset; FileNotFoundError / ValueError otherwise. A row dataset
+    (a task) must also have its test.bin, and a meta.json that is exactly what prepare_data.py writes for
+    its task (see task_meta_problem)."""
     cmd = _prepare_cmd(data_dir)
     for f in ["", "meta.json", "train.bin", "val.bin"]:
         if not os.path.exists(os.path.join(data_dir, f)):
@@ -267,11 +326,22 @@ def load_meta(data_dir):
         if not (meta["tokenizer"] in ("char", "gpt2", "tiktoken") and isinstance(V, int) and 1 <= V <= 2**(8*itemsize)
                 and (meta["tokenizer"] != "char" or len(meta["chars"]) == V)):
             raise ValueError("tokenizer/vocab_size/dtype/chars don't add up")
-        counts = {s: meta[f"{s}_tokens"] for s in ("train", "val")}
+        rows = meta.get("layout") == "rows"
+        counts = {s: meta[f"{s}_tokens"] for s in ("train", "val", "test")[:3 if rows else 2]}
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{data_dir}/meta.json is malformed ({e!r}); re-run: {cmd}") from None
+    if V < 2:  # found here, before training, not as a failing entropy analysis after it
+        raise ValueError(f"{data_dir} has a vocabulary of one token ({meta.get('chars', ['?'])[0]!r}): there is "
+                         f"nothing to predict; prepare it from text with at least 2 different characters")
+    why = task_meta_problem(meta) if rows else None
+    if why:
+        raise ValueError(f"{data_dir}/meta.json doesn't match the task data it describes ({why}; was it edited?); "
+                         f"re-run: {cmd}")
     for split, n in counts.items():
-        size = os.path.getsize(os.path.join(data_dir, f"{split}.bin"))
+        path = os.path.join(data_dir, f"{split}.bin")
+        if not os.path.exists(path):  # (test.bin: found now, not when the test accuracy is due after training)
+            raise FileNotFoundError(f"dataset {data_dir} is incomplete (no {split}.bin); prepare it with: {cmd}")
+        size = os.path.getsize(path)
         if not isinstance(n, int) or size != n * itemsize:
             raise ValueError(f"{data_dir}/{split}.bin has {size} bytes, meta.json says {n} tokens x "
                              f"{itemsize} bytes; re-run: {cmd}")
@@ -298,7 +368,22 @@ def load_rows(data_dir, split, meta):
     if n and int(rows.max()) >= meta["vocab_size"]:  # as load_tokens: a wrong meta.json fails here
         raise ValueError(f"{path} holds token id {int(rows.max())}, but meta.json says vocab_size="
                          f"{meta['vocab_size']}; re-run: {_prepare_cmd(data_dir)}")
+    step = max(1, 2**24 // L)  # rows at a time: ~16M tokens
+    bad = sum(int((~has_solution(rows[i:i + step], meta)).sum()) for i in range(0, n, step))
+    if bad:  # no loss to learn or evaluate there: a val loss of nan, found before training rather than after
+        raise ValueError(f"{path}: {bad:,} of its {n:,} rows have no solution tokens (no '=', or nothing but "
+                         f"padding after the first one), so there is no loss to learn or measure on them; "
+                         f"re-run: {_prepare_cmd(data_dir)}")
     return rows
+
+def has_solution(rows, meta):
+    """(n, row_length) rows -> (n,) bool: the row has a first "=" and a token that is not padding after it,
+    i.e. at least one target that train.py's loss mask keeps."""
+    rows = np.asarray(rows)
+    is_eq = rows == meta["eq_id"]
+    eq = is_eq.argmax(1)                                                  # (n,) first "=" (0 if there is none)
+    after = np.arange(rows.shape[1])[None, :] > eq[:, None]              # (n, row_length)
+    return is_eq.any(1) & ((rows != meta["pad_id"]) & after).any(1)
 
 # -----------------------------------------------------------------------------
 # the arithmetic task: expressions mod a prime p, each followed by its step-by-step solution
@@ -311,6 +396,9 @@ def load_rows(data_dir, split, meta):
 # a * b^(p-2) mod p, the inverse of b in the field, so it is defined whenever b != 0.
 
 SYMBOLS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"  # how the numbers 0..35 are written
+MAX_OPERANDS = 32           # rows grow with operands^2: 32 operands mod 7 make rows of ~1700 tokens
+MAX_PROBLEMS = 1_000_000    # train + val + test; they are made in memory (~1 s per 1,000 at 32 operands)
+PROGRESS_WORK = 10_000_000  # problems x operands^2 above which prepare_arithmetic prints its progress (~15 s)
 OPS = "+-*/"
 PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
 END, PAD = ".", "_"
@@ -322,10 +410,38 @@ def task_chars(p):
     """The vocabulary: the numbers 0..p-1 (token id = value), + - * / ( ) =, the end token, the pad token."""
     return list(SYMBOLS[:p]) + list(OPS + "()=") + [END, PAD]
 
+def is_prime(p):
+    return p >= 2 and all(p % d for d in range(2, p))
+
 def apply_op(op, a, b, p):
     if op == "/":
+        if b % p == 0:  # (Fermat's formula below would say 0: there is no such number)
+            raise ZeroDivisionError(f"division by 0 mod {p}")
         return a * pow(b, p - 2, p) % p  # Fermat: b^(p-2) is b's inverse mod p (b != 0)
     return {"+": a + b, "-": a - b, "*": a * b}[op] % p
+
+def task_meta_problem(meta):
+    """What is wrong with a row dataset's meta.json, or None when it is exactly what prepare_arithmetic
+    writes for its prime: the vocabulary, the pad/end/= ids and the row layout follow from the prime, so an
+    edited prime or chars (which would make train.py and sample.py misread every problem) show here."""
+    if meta.get("task") != "arithmetic":
+        return f"task={meta.get('task')!r}, but the only task is 'arithmetic'"
+    p = meta.get("prime")
+    if not (isinstance(p, int) and p <= len(SYMBOLS) and is_prime(p)):
+        return f"prime={p!r} is not a prime from 2 to {len(SYMBOLS)}"
+    chars = task_chars(p)
+    if meta.get("chars") != chars:
+        return f"its chars are not the {len(chars)} symbols of the task mod {p}, {''.join(chars)!r}"
+    for key, c in (("pad_id", PAD), ("end_id", END), ("eq_id", "=")):
+        if meta.get(key) != chars.index(c):
+            return f"{key}={meta.get(key)!r}, but {c!r} is token {chars.index(c)}"
+    if meta.get("dtype") != "uint16":
+        return f"dtype={meta.get('dtype')!r}, the task's rows are uint16"
+    n, L = meta.get("operands"), meta.get("row_length")
+    if not (isinstance(n, int) and 2 <= n <= MAX_OPERANDS and isinstance(L, int) and L >= n * n + n):
+        return (f"operands={n!r} and row_length={L!r} can't be: a row holds the expression and its solution, "
+                f"at least operands^2 + operands tokens")
+    return None
 
 def random_tree(n, p, rng):
     """A random expression tree with n operands: an int (leaf) or (op, left, right). The left subtree
@@ -433,22 +549,50 @@ def task_answer(ids, meta):
     last = ids[len(ids) - ids[::-1].index(meta["eq_id"]):] if meta["eq_id"] in ids else ids
     return last[0] if len(last) == 1 and last[0] < meta["prime"] else None
 
-def make_problems(n_problems, operands, p, rng):
-    """n_problems distinct random expressions (no division by 0 anywhere: such draws are redrawn)."""
-    seen, problems, draws = set(), [], 0
+def count_expressions(n, p):
+    """How many different expressions with n operands mod p there are at most (division by 0 not taken out):
+    Catalan(n-1) tree shapes x 4^(n-1) operator choices x p^n numbers. Rendering is one-to-one (see render)."""
+    return math.comb(2 * (n - 1), n - 1) // n * 4 ** (n - 1) * p ** n
+
+def make_problems(n_problems, operands, p, rng, progress=False):
+    """n_problems distinct random expressions (no division by 0 anywhere: such draws are redrawn). ValueError
+    when they can't be had, with the fix: fewer problems, or (when most draws divide by 0: long expressions,
+    small primes) fewer --operands or a larger prime, or (when most draws repeat) more --operands."""
+    if n_problems > count_expressions(operands, p):  # no point drawing: there aren't that many
+        raise ValueError(f"there are at most {count_expressions(operands, p):,} different expressions with "
+                         f"{operands} operands mod {p}, and {n_problems:,} were asked for (train + val + test): ask "
+                         f"for fewer problems, or use more --operands or a larger --prime")
+    seen, problems, draws, by_zero = set(), [], 0, 0
+    report = _progress("drawing problems", n_problems) if progress else lambda i: None
     while len(problems) < n_problems:
         draws += 1
         if draws > 20 * n_problems + 1000:
-            raise ValueError(f"found only {len(problems):,} distinct expressions with {operands} operands mod {p} "
-                             f"in {draws - 1:,} draws, {n_problems:,} asked for: ask for fewer problems, or use "
-                             f"more --operands or a larger --prime")
+            found = (f"found only {len(problems):,} distinct expressions with {operands} operands mod {p} in "
+                     f"{draws - 1:,} draws, {n_problems:,} asked for")
+            if by_zero > (draws - 1) / 2:
+                raise ValueError(f"{found}: {by_zero / (draws - 1):.0%} of the draws divide by 0 somewhere (the "
+                                 f"more operands, the more divisions, each by 0 one time in {p}): use fewer "
+                                 f"--operands or a larger --prime, or ask for fewer problems")
+            raise ValueError(f"{found}: ask for fewer problems, or use more --operands or a larger --prime")
         tree = random_tree(operands, p, rng)
+        if tree_value(tree, p) is None:
+            by_zero += 1
+            continue
         expr = tuple(render(tree))
-        if tree_value(tree, p) is None or expr in seen:
+        if expr in seen:
             continue
         seen.add(expr)
         problems.append(list(expr))
+        report(len(problems))
     return problems
+
+def _progress(what, n):
+    """A function of i that prints "what: 30% (i of n)" each time i reaches another tenth of n."""
+    marks = {n * k // 10: k for k in range(1, 11)}
+    def report(i):
+        if i in marks:
+            print(f"{what}: {marks[i] * 10}% ({i:,} of {n:,})", flush=True)
+    return report
 
 def task_name(operands, prime):
     """The default dataset folder: arithmetic6 for 6 operands mod 7 (the default prime), arithmetic6_p11 mod 11."""
@@ -457,20 +601,32 @@ def task_name(operands, prime):
 def prepare_arithmetic(out_dir, operands=6, prime=7, train_size=50000, val_size=1000, test_size=1000, seed=1337):
     """Write the arithmetic task to out_dir/{train,val,test}.bin + meta.json: one problem per row, padded
     to the longest problem. The splits are disjoint: distinct expressions, the first test_size drawn go to
-    test, the next val_size to val, the rest to train."""
-    if not (2 <= prime <= len(SYMBOLS) and all(prime % d for d in range(2, prime))):
+    test, the next val_size to val, the rest to train. Prints progress when it will take a while."""
+    if not (2 <= prime <= len(SYMBOLS) and is_prime(prime)):
         raise ValueError(f"--prime must be a prime between 2 and {len(SYMBOLS)}, got {prime}")
-    if operands < 2:
-        raise ValueError(f"--operands must be at least 2, got {operands}")
+    if not 2 <= operands <= MAX_OPERANDS:
+        raise ValueError(f"--operands must be from 2 to {MAX_OPERANDS}, got {operands} (rows grow with its square: "
+                         f"{MAX_OPERANDS} operands make rows of ~1700 tokens)")
     if min(train_size, val_size, test_size) < 1:
         raise ValueError("--train_size, --val_size and --test_size must be at least 1")
+    n = test_size + val_size + train_size
+    if n > MAX_PROBLEMS:
+        raise ValueError(f"--train_size + --val_size + --test_size is {n:,}, more than {MAX_PROBLEMS:,} problems "
+                         f"(the task's data is made in memory); ask for fewer")
+    if seed < 0:
+        raise ValueError(f"--seed must be at least 0, got {seed}")
     rng = np.random.default_rng(seed)
-    exprs = make_problems(test_size + val_size + train_size, operands, prime, rng)
-    rows = [encode_problem(problem_tokens(e, prime), prime) for e in exprs]
+    slow = n * operands ** 2 > PROGRESS_WORK  # ~1.5 us per unit here: the default 52,000 x 6^2 takes ~3 s
+    exprs = make_problems(n, operands, prime, rng, progress=slow)
+    report = _progress("solving them", n) if slow else lambda i: None
+    rows = []
+    for e in exprs:
+        rows.append(encode_problem(problem_tokens(e, prime), prime))
+        report(len(rows))
     chars = task_chars(prime)
     row_length = max(map(len, rows))
     pad = chars.index(PAD)
-    ids = np.full((len(rows), row_length), pad, dtype=np.int64)  # (n_problems, row_length)
+    ids = np.full((len(rows), row_length), pad, dtype=np.uint16)  # (n_problems, row_length)
     for i, r in enumerate(rows):
         ids[i, :len(r)] = r
     bounds = {"test": (0, test_size), "val": (test_size, test_size + val_size),
@@ -524,7 +680,7 @@ def read_inputs(paths):
     for p in paths:
         if os.path.isdir(p):
             raise ValueError(f"--input={p} is a folder; give the text file(s) in it, e.g. --input {p}/*.txt")
-        if not os.path.isfile(p):
+        if not os.path.exists(p):  # (not isfile: a pipe, e.g. --input=<(zcat text.gz), is fine to read)
             raise FileNotFoundError(f"input file not found: {p}")
         with open(p, "rb") as f:
             raw = f.read()
@@ -537,15 +693,40 @@ def read_inputs(paths):
         raise ValueError(f"no text in {', '.join(paths)} (empty)")
     return text
 
+TASK_DEFAULTS = dict(operands=6, prime=7, train_size=50000, val_size=1000, test_size=1000, seed=1337)
+TEXT_DEFAULTS = dict(tokenizer="char", val_fraction=0.1)
+
+def old_meta(out_dir):
+    """The meta.json of the dataset at out_dir, or None if there is no usable one."""
+    try:
+        return load_meta(out_dir)
+    except (ValueError, OSError):
+        return None
+
+def note_replaced(out_dir, before, meta):
+    """Say so when the dataset just written replaced other data (before: old_meta from before writing)."""
+    changed = [k for k in ("source", "n_chars", "tokenizer", "vocab_size") if before and before.get(k) != meta.get(k)]
+    if changed:  # runs trained on the old data can't --resume or be analysed on this one (they'd refuse)
+        was = ", ".join(f"{k}={before.get(k)!r}" for k in changed)
+        print(f"note: replaced {out_dir}, which held other data ({was}); runs trained on that data can no longer "
+              f"be resumed or analysed")
+
 def main_task(args):
     if args.input:
         raise ValueError("--task makes its own data: drop --input")
+    given = [f"--{k}" for k in TEXT_DEFAULTS if getattr(args, k) is not None]
+    if given:
+        raise ValueError(f"--task makes its own vocabulary and splits: drop {' and '.join(given)}")
+    for k, v in TASK_DEFAULTS.items():
+        setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
     name = args.name if args.name is not None else task_name(args.operands, args.prime)
     if not name or name.startswith(".") or "/" in name or os.sep in name:
         raise ValueError(f"bad dataset name {name!r}: use a plain folder name, see --name")
     out_dir = os.path.join(args.data_dir, name)
+    before = old_meta(out_dir)
     meta = prepare_arithmetic(out_dir, args.operands, args.prime, args.train_size, args.val_size, args.test_size,
                               args.seed)
+    note_replaced(out_dir, before, meta)
     rows = load_rows(out_dir, "train", meta)
     print(f"{out_dir}: {meta['source']} | vocab {meta['vocab_size']} | rows of {meta['row_length']} tokens | "
           f"train {meta['train_rows']:,} / val {meta['val_rows']:,} / test {meta['test_rows']:,} problems\n"
@@ -558,20 +739,29 @@ def main(argv=None):
                         help="UTF-8 text file(s), concatenated (default: tiny Shakespeare)")
     parser.add_argument("--name", help="dataset folder name (default: quickstart, or the first input's stem)")
     parser.add_argument("--data_dir", default="data", help="root folder of the datasets")
-    parser.add_argument("--tokenizer", default="char", choices=["char", "gpt2"])
-    parser.add_argument("--val_fraction", type=float, default=0.1, help="last fraction of the tokens used for validation")
+    parser.add_argument("--tokenizer", choices=["char", "gpt2"], help="[char]")
+    parser.add_argument("--val_fraction", type=float, help="last fraction of the tokens used for validation [0.1]")
     task = parser.add_argument_group("synthetic task (instead of a corpus)")
     task.add_argument("--task", choices=["arithmetic"], help="arithmetic: expressions mod a prime with "
                       "step-by-step solutions, one problem per row -> data/arithmetic<operands>/")
-    task.add_argument("--operands", type=int, default=6, help="numbers per expression")
-    task.add_argument("--prime", type=int, default=7, help="the modulus p (numbers 0..p-1, one token each)")
-    task.add_argument("--train_size", type=int, default=50000, help="training problems")
-    task.add_argument("--val_size", type=int, default=1000, help="validation problems (val loss, accuracy during training)")
-    task.add_argument("--test_size", type=int, default=1000, help="test problems (final accuracy)")
-    task.add_argument("--seed", type=int, default=1337, help="the same seed gives the same files")
+    task.add_argument("--operands", type=int, help=f"numbers per expression, 2..{MAX_OPERANDS} [6]")
+    task.add_argument("--prime", type=int, help="the modulus p (numbers 0..p-1, one token each) [7]")
+    task.add_argument("--train_size", type=int, help="training problems [50000]")
+    task.add_argument("--val_size", type=int, help="validation problems (val loss, accuracy during training) [1000]")
+    task.add_argument("--test_size", type=int, help="test problems (final accuracy) [1000]")
+    task.add_argument("--seed", type=int, help="the same seed gives the same files [1337]")
     args = parser.parse_args(argv)
+    if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
+        raise ValueError(f"--data_dir={args.data_dir} is a file, not a folder; give the folder that holds (or will "
+                         f"hold) the datasets")
     if args.task:
         return main_task(args)
+    given = [f"--{k}" for k in TASK_DEFAULTS if getattr(args, k) is not None]
+    if given:  # e.g. --operands=5 without --task: would silently prepare tiny Shakespeare
+        raise ValueError(f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} for --task=arithmetic: add "
+                         f"--task=arithmetic, or drop {'it' if len(given) == 1 else 'them'}")
+    for k, v in TEXT_DEFAULTS.items():
+        setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
     name = args.name if args.name is not None else \
         os.path.splitext(os.path.basename(args.input[0]))[0] if args.input else "quickstart"
     if not name or name.startswith(".") or "/" in name or os.sep in name:
@@ -585,16 +775,9 @@ def main(argv=None):
     else:
         text, source = quickstart_text(args.data_dir)
     out_dir = os.path.join(args.data_dir, name)
-    try:
-        before = load_meta(out_dir)
-    except (ValueError, OSError):
-        before = None
+    before = old_meta(out_dir)
     meta = prepare(text, out_dir, args.tokenizer, args.val_fraction, source, encoding)
-    changed = [k for k in ("source", "n_chars", "tokenizer", "vocab_size") if before and before.get(k) != meta[k]]
-    if changed:  # runs trained on the old data can't --resume or be analysed on this one (they'd refuse)
-        was = ", ".join(f"{k}={before.get(k)!r}" for k in changed)
-        print(f"note: replaced {out_dir}, which held other data ({was}); runs trained on that data can no longer "
-              f"be resumed or analysed")
+    note_replaced(out_dir, before, meta)
     print(f"{out_dir}: {source} | {meta['n_chars']:,} chars | vocab {meta['vocab_size']:,} ({meta['tokenizer']}"
           f"{': ' + meta['encoding'] if 'encoding' in meta else ''}) | "
           f"train {meta['train_tokens']:,} / val {meta['val_tokens']:,} tokens ({meta['dtype']})")
@@ -606,3 +789,6 @@ if __name__ == "__main__":
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:  # (a dataset is swapped in whole: interrupted, the old one is still there)
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)

@@ -12,13 +12,15 @@ The tokenizer is rebuilt from the dataset's meta.json stored in the checkpoint, 
 
 import argparse
 import math
+import os
 import sys
 import time
 from contextlib import nullcontext
 
 import torch
 
-from prepare_data import encode_problem, get_tokenizer, parse_expression, problem_tokens, problem_text, task_answer
+from prepare_data import (encode_problem, get_tokenizer, parse_expression, problem_tokens, problem_text, task_answer,
+                          task_meta_problem)
 from common import load_checkpoint, setup_device, variant_name
 
 SEPARATOR = "---------------"
@@ -29,6 +31,10 @@ def read_prompt(start):
     if not start.startswith("FILE:"):
         return start
     path = start[len("FILE:"):]
+    if not path:
+        raise ValueError("--start=FILE: needs the prompt file's path after FILE:, e.g. --start=FILE:prompt.txt")
+    if os.path.isdir(path):
+        raise ValueError(f"prompt file {path} is a folder; give a text file: --start=FILE:path/to/prompt.txt")
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
@@ -90,6 +96,11 @@ def solve_task(model, meta, text, ctx, temperature=0.0, top_k=None, seed=1337, n
     text (a trailing "=" optional), each up to its end token, and the true answer. -> (solutions, answer)."""
     p = meta["prime"]
     expr = parse_expression(text.strip().removesuffix("="), p)  # ValueError: not an expression mod p
+    try:
+        answer = problem_tokens(expr, p)[-2]
+    except ZeroDivisionError:  # somewhere, not only at the end: (2/0)*0 is as undefined as 2/0
+        raise ValueError(f"{text.strip()!r} divides by 0 (mod {p}), so it has no answer; the task never holds such "
+                         f"a problem: give another expression") from None
     ids = encode_problem(expr + ["="], p)
     room = meta["row_length"] - len(ids)
     if room < 2:
@@ -103,7 +114,7 @@ def solve_task(model, meta, text, ctx, temperature=0.0, top_k=None, seed=1337, n
     for row in y.tolist():
         row = row[:row.index(meta["end_id"]) + 1] if meta["end_id"] in row[len(ids):] else row
         out.append((problem_text(row, p), task_answer(row[len(ids):], meta)))
-    return out, problem_tokens(expr, p)[-2]
+    return out, answer
 
 
 def main(argv=None):
@@ -124,12 +135,18 @@ def main(argv=None):
             or (args.temperature is not None and not 0 <= args.temperature < math.inf):
         raise ValueError(f"need --num_samples >= 1, --max_new_tokens >= 0, --top_k >= 0 and a finite --temperature "
                          f">= 0, got {args.num_samples}, {args.max_new_tokens}, {args.top_k} and {args.temperature}")
+    if not 0 <= args.seed < 2**64:  # torch.manual_seed's range
+        raise ValueError(f"--seed must be from 0 to 2**64 - 1, got {args.seed}")
 
     device, _, dtype, ctx, _ = setup_device(args.device, args.dtype)  # ValueError if the device isn't there
     model, ckpt = load_checkpoint(args.out_dir, device)
     if "meta" not in ckpt:
         raise ValueError(f"{args.out_dir}/ckpt.pt has no 'meta' (the dataset's meta.json), so it can't be decoded")
     if ckpt["meta"].get("layout") == "rows":  # a task: the prompt is an expression, the output its solution
+        why = task_meta_problem(ckpt["meta"])
+        if why:
+            raise ValueError(f"{args.out_dir}/ckpt.pt: its copy of the dataset's meta.json doesn't describe the task "
+                             f"({why}), so its problems can't be read")
         return main_task(args, model, ckpt, ctx)
     args.num_samples = 3 if args.num_samples is None else args.num_samples
     args.temperature = 0.8 if args.temperature is None else args.temperature
@@ -170,3 +187,6 @@ if __name__ == "__main__":
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)

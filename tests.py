@@ -4,6 +4,7 @@ The test suite: CPU, offline, a couple of minutes on 2 cores.
     python -m pytest tests.py -q
 """
 
+import errno
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import sys
 from contextlib import nullcontext
 from dataclasses import asdict
 
+import matplotlib.figure
 import numpy as np
 import pytest
 import tiktoken
@@ -452,6 +454,71 @@ def test_bench_measure_and_table_tiny(capsys):
     assert float(rows[0][-3]) == pytest.approx(hc["flops"] / base["flops"], abs=1e-3)  # HC's FLOP x, act x
     assert float(rows[0][-2]) == pytest.approx(hc["act_bytes"] / base["act_bytes"], abs=1e-3)
     assert hc["act_bytes"] > base["act_bytes"]
+
+
+BENCH_TINY = ["--depths=2", "--n_embd=16", "--n_head=2", "--block_size=8", "--batch_size=2", "--vocab_size=11",
+              "--warmup=0", "--repeats=1", "--rounds=1"]
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--fused_mix=nope"], "argument --fused_mix: expected True or False, got 'nope'"),  # was: the plain formula
+    (["--deep=maybe"], "argument --deep: expected True or False, got 'maybe'"),          # was: False
+    (["--depths=abc"], "--depths must be comma-separated whole numbers of layers >= 1, e.g. --depths=8,32; got 'abc'"),
+    (["--depths=0"], "--depths must be comma-separated whole numbers of layers >= 1"),   # was: timed 0 layers
+    (["--depths=-2"], "--depths must be comma-separated whole numbers of layers >= 1"),
+    (["--depths=4,,8"], "got '4,,8'"),
+    (["--depths=2.5"], "got '2.5'"),
+    (["--depths="], "got ''"),
+    (["--n_embd=0"], "--n_embd must be at least 1, got 0"),
+    (["--n_head=0"], "--n_head must be at least 1, got 0"),
+    (["--block_size=0"], "--block_size must be at least 1, got 0"),
+    (["--batch_size=-1"], "--batch_size must be at least 1, got -1"),
+    (["--vocab_size=0"], "--vocab_size must be at least 1, got 0"),
+    (["--repeats=0"], "--repeats must be at least 1, got 0"),
+    (["--warmup=-1"], "--warmup must be at least 0, got -1"),
+    (["--n_embd=30", "--n_head=4"], "--n_embd=30 --n_head=4: n_embd=30 is not divisible by n_head=4"),
+    (["--n_embd=36", "--n_head=4"], "--n_embd=36 --n_head=4: head dim n_embd/n_head=9 is odd"),
+    (["--device=tpu"], "unknown --device=tpu"),
+    (["--device=cuda:99"], "--device=cuda:99 but torch sees"),
+    (["--depth=4"], "unrecognized arguments: --depth=4"),  # was: read as --depths=4
+    (["--rounds=abc"], "argument --rounds: invalid int value: 'abc'"),
+])
+def test_bench_bad_flags_refused_before_anything_runs(flags, match, monkeypatch, capsys):
+    import bench
+    monkeypatch.setattr(bench, "run_fresh", lambda args: pytest.fail("should be refused before any benchmark"))
+    with pytest.raises(ValueError, match=re.escape(match)):
+        bench.main(flags)
+    assert capsys.readouterr().out == ""  # not even the header
+
+
+def test_bench_booleans_reach_the_workers(monkeypatch, capsys):
+    """--fused_mix=False (or bare --fused_mix, as in train.py) is what the LIMe worker gets; --deep=False drops a row."""
+    import bench
+    got = []
+    def fake_run(args):
+        got.append(args)
+        return dict(step_ms=1.0, act_bytes=1, peak_bytes=1, flops=1, gflops_per_s=1.0)
+    monkeypatch.setattr(bench, "run_fresh", fake_run)
+    for flag, fused in (["--fused_mix=False", False], ["--fused_mix", True], ["--fused_mix=no", False]):
+        got.clear()
+        bench.main(BENCH_TINY + [flag, "--deep=False"])
+        assert [a.get("fused_mix") for a in got] == [None, fused]  # baseline, then LIMe
+    assert "plain formula (PlainMix)" in capsys.readouterr().out
+    got.clear()
+    bench.main(BENCH_TINY + ["--deep"])
+    assert [a["n_layer"] for a in got] == [2, 2, 24, 24]
+
+
+def test_bench_cli_errors_are_one_line(tmp_path):
+    """A refused flag, and a worker process that fails: one "error:" line, exit 1, no traceback."""
+    import bench
+    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--deep=maybe"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: argument --deep: expected True or False") and r.stderr.count("\n") == 1
+    with pytest.raises(bench.WorkerFailed, match=r"^the benchmark process for n_layer=2, n_embd=30, n_head=4, "
+                                                 r".*failed: n_embd=30 is not divisible by n_head=4"):
+        bench.run_fresh(dict(n_layer=2, n_embd=30, n_head=4, block_size=8, batch_size=2, vocab_size=11, lime=True))
 
 
 @pytest.mark.ex3
@@ -1136,6 +1203,118 @@ def test_data_cli_error_is_one_line(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def run_script_patched(script, patch, *args, cwd=HERE):
+    """python <script> <args> as a user runs it, after the Python lines in patch ran in the same process (e.g. a
+    full disk simulated by patching builtins.open). -> CompletedProcess."""
+    code = (f"import runpy, sys\nsys.path.insert(0, {HERE!r})\n{patch}\nsys.argv = {[script, *args]!r}\n"
+            f"runpy.run_path({os.path.join(HERE, script)!r}, run_name='__main__')")  # as `python script` runs it
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+FULL_DISK_OPEN = """import builtins, errno
+_open = builtins.open
+def _full(f, mode="r", *a, **k):
+    if "w" in mode and str(f).endswith(SUFFIX):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return _open(f, mode, *a, **k)
+builtins.open = _full"""
+
+
+def _full_disk_write_bin(path, ids, dtype):
+    """prepare_data._write_bin on a disk that fills up halfway through."""
+    with open(path, "wb") as f:
+        f.write(b"\0" * 10)
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("task", [False, True])
+@pytest.mark.parametrize("old", [False, True])
+def test_data_full_disk_says_so_and_keeps_the_old_dataset(tmp_path, monkeypatch, task, old):
+    d = str(tmp_path / "x")
+    make = (lambda: prepare_data.prepare_arithmetic(d, operands=3, train_size=50, val_size=5, test_size=5)) if task \
+        else (lambda: prepare(DATA_TEXT, d))
+    before = prepare(DATA_TEXT * 2, d) if old else None
+    monkeypatch.setattr(prepare_data, "_write_bin", _full_disk_write_bin)
+    kept = f"{d} is unchanged (it still holds the old dataset)" if old else "no dataset was written"
+    with pytest.raises(prepare_data.DiskFullError) as e:
+        make()
+    assert str(e.value) == (f"the disk is full (No space left on device) while writing {d}; {kept}; free some space "
+                            f"and run this again")  # was: [Errno 28] No space left on device
+    assert os.listdir(tmp_path) == (["x"] if old else [])  # no temp folder left behind
+    if old:
+        assert load_meta(d) == before
+
+
+def test_data_full_disk_cli_is_one_line(tmp_path):
+    (tmp_path / "t.txt").write_text(DATA_TEXT)
+    r = run_script_patched("prepare_data.py", FULL_DISK_OPEN.replace("SUFFIX", "'.bin'"), "--input=t.txt", cwd=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("error: the disk is full (No space left on device) while writing data/t; no dataset "
+                               "was written")
+    assert sorted(os.listdir(tmp_path)) == ["data", "t.txt"] and os.listdir(tmp_path / "data") == []
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_data_real_full_disk_is_recognised():
+    """What a full disk really raises: _write_bin's error has an errno (ndarray.tofile's: "N requested and 0
+    written", none), and torch.save's is a RuntimeError raised while handling one; disk_full finds both."""
+    with pytest.raises(OSError) as e:
+        prepare_data._write_bin("/dev/full", np.arange(100000), "uint32")
+    assert prepare_data.disk_full(e.value) is e.value
+    with pytest.raises(Exception) as e, open("/dev/full", "wb") as f:
+        torch.save({"x": torch.zeros(100000)}, f)
+    assert prepare_data.disk_full(e.value).errno == errno.ENOSPC
+    assert prepare_data.disk_full(RuntimeError("enforce fail")) is None
+    assert prepare_data.disk_full(OSError(errno.EACCES, "Permission denied")) is None
+    assert prepare_data.disk_full(OSError(errno.EDQUOT, "Disk quota exceeded")).errno == errno.EDQUOT
+
+
+def test_data_one_character_vocabulary_refused(tmp_path):
+    with pytest.raises(ValueError, match="only one distinct character, 'a': there is nothing to predict"):
+        prepare("a" * 1000, str(tmp_path / "a"))
+    assert os.listdir(tmp_path) == []
+    d = tmp_path / "b"  # one made by hand (or by an older prepare_data.py)
+    d.mkdir()
+    np.zeros(100, dtype="<u2").tofile(d / "train.bin")
+    np.zeros(10, dtype="<u2").tofile(d / "val.bin")
+    (d / "meta.json").write_text(json.dumps(dict(tokenizer="char", chars=["a"], vocab_size=1, dtype="uint16",
+                                                 source="a", train_tokens=100, val_tokens=10)))
+    with pytest.raises(ValueError, match=f"{re.escape(str(d))} has a vocabulary of one token \\('a'\\): there is "
+                                         f"nothing to predict"):
+        load_meta(str(d))
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--operands=5"], "--operands is for --task=arithmetic: add --task=arithmetic, or drop it"),  # was: Shakespeare
+    (["--train_size=10", "--seed=3"], "--train_size and --seed are for --task=arithmetic"),
+    (["--task=arithmetic", "--tokenizer=gpt2"], "--task makes its own vocabulary and splits: drop --tokenizer"),
+    (["--task=arithmetic", "--val_fraction=0.2"], "drop --val_fraction"),
+    (["--task=arithmetic", "--seed=-1"], "--seed must be at least 0, got -1"),  # was: expected non-negative integer
+    (["--data_dir=afile"], "--data_dir=afile is a file, not a folder"),          # was: [Errno 17] File exists
+    (["--task=arithmetic", "--data_dir=afile"], "--data_dir=afile is a file, not a folder"),
+])
+def test_data_cli_flags_that_cannot_apply(tmp_path, monkeypatch, args, match):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match=re.escape(match)):
+        prepare_data.main(args)
+    assert os.listdir(tmp_path) == ["afile"]  # nothing written
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/null"), reason="needs /dev/null")
+def test_data_input_that_is_not_a_regular_file(tmp_path):
+    """A device or a pipe (--input=<(zcat text.gz)) is read like a file; was: "input file not found: /dev/null"."""
+    with pytest.raises(ValueError, match="no text in /dev/null"):
+        prepare_data.main(["--input=/dev/null", f"--data_dir={tmp_path}"])
+
+
+def test_data_task_replacing_a_text_dataset_says_so(tmp_path, capsys):
+    prepare(DATA_TEXT, str(tmp_path / "x"))
+    prepare_data.main(["--task=arithmetic", "--operands=3", "--train_size=50", "--val_size=5", "--test_size=5",
+                       "--name=x", f"--data_dir={tmp_path}"])
+    assert re.search(r"note: replaced .*x, which held other data \(source='text', n_chars=", capsys.readouterr().out)
+
+
 # prepare_data.py --task=arithmetic
 
 def _field_value(toks, p):
@@ -1215,7 +1394,9 @@ def test_task_dataset_disjoint_deterministic(tmp_path):
         prompts[split] = {tuple(r[:list(r).index(meta["eq_id"])]) for r in rows}
         assert len(prompts[split]) == n  # no repeats within a split
     assert not prompts["test"] & prompts["train"] and not prompts["val"] & prompts["train"] and not prompts["test"] & prompts["val"]
-    with pytest.raises(ValueError, match="distinct expressions"):  # 2 operands mod 3: only 33 expressions exist
+    with pytest.raises(ValueError, match="found only 33 distinct expressions"):  # 2 operands mod 3: 33 exist
+        prepare_data.prepare_arithmetic(str(tmp_path / "d"), operands=2, prime=3, train_size=32, val_size=1, test_size=1)
+    with pytest.raises(ValueError, match="at most 36 different expressions with 2 operands mod 3, and 42 were"):
         prepare_data.prepare_arithmetic(str(tmp_path / "d"), operands=2, prime=3, train_size=40, val_size=1, test_size=1)
     with pytest.raises(ValueError, match="prime"):
         prepare_data.main([f"--data_dir={tmp_path}", "--task=arithmetic", "--prime=12"])
@@ -1230,6 +1411,101 @@ def test_task_answer_metric_by_hand():
     for unparseable in ["2*3=6", "2*3=6_", "2*3=.", "2*3=6+1.", "2*3=(6).", "2*3=67.", "."]:
         assert prepare_data.task_answer(enc(unparseable), meta) is None, unparseable
     assert prepare_data.task_answer(enc("2*3=6.=5."), meta) == 6           # the first end token ends it
+
+
+@pytest.fixture
+def small_task(tmp_path):
+    """A small arithmetic dataset in tmp_path/arith (3 operands mod 7): (its path, meta)."""
+    d = str(tmp_path / "arith")
+    return d, prepare_data.prepare_arithmetic(d, operands=3, train_size=60, val_size=10, test_size=10)
+
+
+def _edit_meta(d, **kw):
+    path = os.path.join(d, "meta.json")
+    meta = json.load(open(path))
+    meta.update({k: v(meta) if callable(v) else v for k, v in kw.items()})
+    json.dump(meta, open(path, "w"))
+
+
+@pytest.mark.parametrize("edit, match", [
+    (dict(prime=11), "its chars are not the 20 symbols of the task mod 11"),  # was: trained, misread mod 11
+    (dict(prime=8), "prime=8 is not a prime from 2 to 36"),
+    (dict(chars=lambda m: [m["chars"][1], m["chars"][0]] + m["chars"][2:]), "its chars are not the 16 symbols"),
+    (dict(chars=lambda m: m["chars"][:-1] + ["#"]), "its chars are not the 16 symbols"),
+    (dict(eq_id=14), "eq_id=14, but '=' is token 13"),  # was: val loss nan, "try a lower learning rate"
+    (dict(pad_id=0), "pad_id=0, but '_' is token 15"),
+    (dict(task="sorting"), "task='sorting', but the only task is 'arithmetic'"),
+    (dict(operands=2, row_length=5), "operands=2 and row_length=5 can't be"),
+])
+def test_task_edited_meta_is_refused(small_task, edit, match):
+    d, _ = small_task
+    _edit_meta(d, **edit)
+    with pytest.raises(ValueError, match=re.escape(f"{d}/meta.json doesn't match the task data it describes ({match}")
+                       + ".*was it edited\\?\\); re-run: python prepare_data.py --task=arithmetic --operands=3 --name=arith "):
+        load_meta(d)
+
+
+@pytest.mark.parametrize("damage, error, match", [
+    ("delete", FileNotFoundError, "is incomplete (no test.bin)"),
+    ("truncate", ValueError, "test.bin has 80 bytes, meta.json says"),
+])
+def test_task_missing_or_truncated_test_split_found_by_load_meta(small_task, damage, error, match):
+    """train.py opens the dataset with load_meta: a broken test.bin stops it before training, not after it."""
+    d, _ = small_task
+    path = os.path.join(d, "test.bin")
+    if damage == "delete":
+        os.remove(path)
+    else:
+        os.truncate(path, 80)
+    with pytest.raises(error, match=re.escape(match)):
+        load_meta(d)
+
+
+def test_task_val_split_without_solutions_found_at_load_time(small_task):
+    d, meta = small_task
+    rows = np.array(prepare_data.load_rows(d, "val", meta))
+    assert prepare_data.has_solution(rows, meta).all()
+    rows[3, list(rows[3]).index(meta["eq_id"]) + 1:] = meta["pad_id"]  # nothing but padding after the "="
+    rows[5] = meta["pad_id"]                                           # no "=" at all
+    assert prepare_data.has_solution(rows, meta).tolist() == [i not in (3, 5) for i in range(10)]
+    rows.astype("<u2").tofile(os.path.join(d, "val.bin"))
+    with pytest.raises(ValueError, match=re.escape(f"{d}/val.bin: 2 of its 10 rows have no solution tokens")):
+        prepare_data.load_rows(d, "val", meta)  # was: "val loss is nan ... try a lower --learning_rate" after training
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(operands=1000), "--operands must be from 2 to 32, got 1000"),      # was: ran for minutes, silently
+    (dict(operands=33), "--operands must be from 2 to 32, got 33"),
+    (dict(train_size=100_000_000), "--train_size + --val_size + --test_size is 100,002,000, more than 1,000,000"),
+    (dict(seed=-1), "--seed must be at least 0, got -1"),
+])
+def test_task_sizes_have_upper_bounds(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        prepare_data.prepare_arithmetic(str(tmp_path / "x"), **kw)
+    assert os.listdir(tmp_path) == []
+
+
+def test_task_prints_progress_when_slow(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(prepare_data, "PROGRESS_WORK", 0)  # (the default size stays quiet: see the data tests)
+    prepare_data.prepare_arithmetic(str(tmp_path / "x"), operands=3, train_size=80, val_size=10, test_size=10)
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"drawing problems: {k}0% ({k * 10} of 100)" for k in range(1, 11)] + \
+                  [f"solving them: {k}0% ({k * 10} of 100)" for k in range(1, 11)]
+
+
+def test_task_too_many_operands_advises_fewer():
+    """Long expressions mod a small prime nearly always divide by 0 somewhere: fewer operands help, more don't."""
+    with pytest.raises(ValueError, match=r"found only \d+ distinct expressions with 32 operands mod 2 .*: 9\d% of the "
+                                         r"draws divide by 0 somewhere .*: use fewer --operands or a larger --prime"):
+        prepare_data.make_problems(50, 32, 2, np.random.default_rng(0))  # was: "use more --operands"
+
+
+def test_task_division_by_zero_has_no_answer():
+    assert prepare_data.apply_op("/", 3, 5, 7) == 2  # 5 * 2 = 10 = 3 mod 7
+    with pytest.raises(ZeroDivisionError, match="division by 0 mod 7"):
+        prepare_data.apply_op("/", 3, 0, 7)  # was: 0
+    with pytest.raises(ZeroDivisionError):
+        prepare_data.problem_tokens(prepare_data.parse_expression("(2/(3-3))*0", 7), 7)
 
 
 # ----------------------------------------------------------------------------- train.py: training, resume, logs, comparison
@@ -2303,6 +2579,96 @@ def test_sample_task_checkpoint_solves_an_expression(task_data, tmp_path, capsys
         sample.main([f"--out_dir={out}", "--start=" + "+".join("1" * 20), "--device=cpu"])
 
 
+def make_task_ckpt(out_dir, task):
+    """A tiny untrained GPT for a task dataset (small_task), saved the way train.py saves one."""
+    d, meta = task
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=meta["vocab_size"], block_size=meta["row_length"] - 1, n_layer=1, n_head=2, n_embd=16,
+                       multiple_of=16, lime=True)
+    model = GPT(config)
+    save_checkpoint(dict(model_args=asdict(config), model=model.state_dict(), iter_num=0, best_val_loss=9.9,
+                         config=dict(dataset=os.path.basename(d), data_dir=os.path.dirname(d)), meta=meta), out_dir)
+
+
+@pytest.mark.parametrize("expr", ["1/0=", "3/(4-4)", "(2/0)*0", "1+2/(3*0)=", "5/(6+1)"])
+def test_sample_refuses_division_by_zero(small_task, tmp_path, expr):
+    make_task_ckpt(str(tmp_path / "run"), small_task)
+    with pytest.raises(ValueError, match=re.escape(f"{expr!r} divides by 0 (mod 7), so it has no answer; the task "
+                                                   f"never holds such a problem")):
+        sample.main([f"--out_dir={tmp_path / 'run'}", f"--start={expr}", "--device=cpu"])  # was: "true answer 0"
+
+
+def test_sample_task_checkpoint_with_edited_meta_refused(small_task, tmp_path):
+    out = str(tmp_path / "run")
+    make_task_ckpt(out, (small_task[0], dict(small_task[1], prime=11)))
+    with pytest.raises(ValueError, match=re.escape(f"{out}/ckpt.pt: its copy of the dataset's meta.json doesn't "
+                                                   f"describe the task (its chars are not the 20 symbols")):
+        sample.main([f"--out_dir={out}", "--start=1+2", "--device=cpu"])
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--start=FILE:"], "--start=FILE: needs the prompt file's path after FILE:"),  # was: "prompt file not found: "
+    (["--start=FILE:{tmp}"], "prompt file {tmp} is a folder"),                        # was: [Errno 21] Is a directory
+    (["--seed=-1"], "--seed must be from 0 to 2**64 - 1, got -1"),
+    (["--seed=99999999999999999999"], "--seed must be from 0 to 2**64 - 1"),        # was: Overflow when unpacking long long
+    (["--out_dir={ckpt}/ckpt.pt"], "{ckpt}/ckpt.pt is a file; give the run's folder, the one that holds ckpt.pt: {ckpt}"),
+])
+def test_sample_bad_flags_named(ckpt_dir, tmp_path, capsys, args, match):
+    fill = lambda t: t.format(tmp=tmp_path, ckpt=ckpt_dir)
+    with pytest.raises(ValueError, match=re.escape(fill(match))):
+        sample.main([f"--out_dir={ckpt_dir}", "--device=cpu", *map(fill, args)])
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("torch_error", [False, True])
+@pytest.mark.parametrize("previous", [False, True])
+def test_checkpoint_full_disk_keeps_the_previous_one(tmp_path, monkeypatch, torch_error, previous):
+    """A full disk while saving: one error that says so and what was kept; the old checkpoint is intact."""
+    out = str(tmp_path / "run")
+    if previous:
+        save_checkpoint({"iter_num": 1}, out)
+    old = open(os.path.join(out, "ckpt.pt"), "rb").read() if previous else None
+    def full_save(obj, f):
+        f.write(b"PK\x03\x04 half a checkpoint")
+        if not torch_error:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        try:  # what torch.save really raises (see test_data_real_full_disk_is_recognised)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    monkeypatch.setattr(common.torch, "save", full_save)
+    with pytest.raises(prepare_data.DiskFullError) as e:
+        save_checkpoint({"iter_num": 2}, out)
+    path = os.path.join(out, "ckpt.pt")
+    kept = (f"{path} still holds the previous checkpoint, unchanged; free some space, then continue with "
+            f"--resume=True" if previous else "no checkpoint was written; free some space and start again")
+    assert str(e.value) == f"the disk is full (No space left on device) while writing {path}; {kept}"
+    assert sorted(os.listdir(out)) == (["ckpt.pt"] if previous else [])  # no temp file left
+    if previous:
+        assert open(path, "rb").read() == old
+
+
+def test_checkpoint_temp_file_left_by_a_kill_is_ignored_then_removed(tmp_path):
+    out = str(tmp_path / "run")
+    save_checkpoint({"model_args": {}, "model": {}, "iter_num": 1}, out)
+    for name in (".ckpt.pt.k1ll3d.tmp", ".ckpt.pt.abcdef.tmp"):  # 0 bytes, and a partial one
+        open(os.path.join(out, name), "wb").write(b"" if "k1" in name else b"PK\x03\x04")
+    open(os.path.join(out, ".log.jsonl.x1.tmp"), "w").close()  # someone else's: left alone
+    assert common.read_checkpoint(os.path.join(out, "ckpt.pt"))["iter_num"] == 1  # ignored when reading
+    save_checkpoint({"model_args": {}, "model": {}, "iter_num": 2}, out)      # removed by the next save
+    assert sorted(os.listdir(out)) == [".log.jsonl.x1.tmp", "ckpt.pt"]
+    assert common.read_checkpoint(os.path.join(out, "ckpt.pt"))["iter_num"] == 2
+
+
+@pytest.mark.parametrize("script, args", [("prepare_data.py", ["--input=t.txt"]), ("sample.py", [])])
+def test_ctrl_c_is_one_line(tmp_path, script, args):
+    """Ctrl-C: "interrupted", exit 130, no traceback (analyze.py and bench.py have the same three lines)."""
+    (tmp_path / "t.txt").write_text(DATA_TEXT)
+    r = run_script_patched(script, "import argparse\ndef _ki(*a, **k): raise KeyboardInterrupt\n"
+                                   "argparse.ArgumentParser.parse_args = _ki", *args, cwd=tmp_path)
+    assert r.returncode == 130 and r.stderr == "\ninterrupted\n" and r.stdout == ""
+
+
 # ----------------------------------------------------------------------------- analyze.py: router maps and value entropy
 
 ANALYZE_TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\nAll:\nSpeak, speak.\n" * 30
@@ -2473,6 +2839,43 @@ def test_analyze_cli_error_is_one_line(tmp_path):
                        timeout=60)
     assert r.returncode == 1 and r.stderr.startswith("error: ") and "python compare.py" in r.stderr
     assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0
+
+
+def test_analyze_usage_calls_only_out_dir_required(capsys):
+    with pytest.raises(SystemExit):
+        analyze.main([])
+    err = capsys.readouterr().err
+    assert "the following arguments are required: out_dir\n" in err  # was: "out_dir, extra"
+
+
+@pytest.mark.parametrize("args, error, match", [
+    (["{out}", "--seed=-1"], ValueError, "--seed must be at least 0, got -1"),  # was: expected non-negative integer
+    (["{out}/lime/ckpt.pt"], ValueError, "{out}/lime/ckpt.pt is a file; give the comparison's folder"),
+    (["{out}", "{out}/nothing"], FileNotFoundError, "no checkpoint at {out}/nothing/ckpt.pt (an extra run dir"),
+])
+def test_analyze_bad_arguments_found_first(tmp_path, monkeypatch, args, error, match):
+    out = str(tmp_path / "out")
+    make_run(os.path.join(out, "lime"), str(tmp_path / "data" / "tiny"), lime=True)
+    monkeypatch.setattr(analyze, "load_checkpoint", lambda *a: pytest.fail("should be refused before any work"))
+    with pytest.raises(error, match=re.escape(match.format(out=out))):
+        analyze.main([a.format(out=out) for a in args])
+    assert os.listdir(out) == ["lime"]
+
+
+def test_analyze_full_disk_says_what_was_kept(tmp_path, monkeypatch):
+    out, data = tmp_path / "out", str(tmp_path / "data" / "tiny")
+    make_run(str(out / "lime"), data, lime=True)
+    savefig, saved = matplotlib.figure.Figure.savefig, []
+    def full_after_one(fig, f, **kw):
+        if saved:  # the first figure fits, the second doesn't
+            raise OSError(errno.ENOSPC, "No space left on device")
+        saved.append(savefig(fig, f, **kw))
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full_after_one)
+    with pytest.raises(prepare_data.DiskFullError, match=re.escape(
+            f"the disk is full (No space left on device) while writing {out}/router_heads.png; it is unchanged, the "
+            f"files written before it are complete; free some space and run analyze.py again")):
+        analyze.analyze_compare(str(out))
+    assert sorted(os.listdir(out)) == ["lime", "router_map.png"]
 
 
 # ----------------------------------------------------------------------------- analyze.py: token separability

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import (check_dataset, fixed_val_batches, load_weights, make_out_dir, read_checkpoint, read_log,
-                    run_files, run_main, sample_batch, save_checkpoint, setup_device, variant_name)
+from common import (ArgParser, check_dataset, fixed_val_batches, load_weights, make_out_dir, read_checkpoint, read_log,
+                    run_files, run_main, sample_batch, save_checkpoint, setup_device, str2bool, variant_name)
 from lime import GPT, GPTConfig, LIME_KV, LIME_SOURCES
 from prepare_data import atomic_file, load_meta, load_rows, load_tokens, task_answer
 
@@ -137,24 +137,10 @@ MIN_VALUES = dict(batch_size=1, block_size=1, n_layer=1, n_head=1, n_embd=1, eva
                   lr_decay_iters=0, min_lr=0, grad_clip=0, weight_decay=0, router_lr=0, seed=0, hc_rate=0)
 
 
-def str2bool(s):
-    if s.lower() in ("true", "1", "yes"):
-        return True
-    if s.lower() in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected True or False, got {s!r}")
-
-
-class ArgParser(argparse.ArgumentParser):
-    def error(self, message):  # one line "error: ..." from __main__ instead of usage + exit 2
-        raise ValueError(f"{message} (see python {self.prog} --help)")
-
-
 def get_config(argv=None, flags=FLAGS, presets=PRESETS, prog="train.py", description=__doc__):
     """-> (config dict with every flag, set of flags given explicitly). Preset values count as explicit
     when --preset itself is given. compare.py passes its own flags and presets (train.py's and more)."""
-    parser = ArgParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
-                       allow_abbrev=False)
+    parser = ArgParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, typ, default, help in flags:
         default = presets["cpu"].get(name, default)
         help += "" if default is None else f" [{default}]"
