@@ -1,20 +1,24 @@
 """
 What train.py, compare.py, sample.py, analyze.py and bench.py share, so that those scripts never import one
 another: flag parsing, the device setup, the fixed evaluation batches, checkpoints (written atomically, read
-with weights_only=True), training logs, and where the runs of a comparison folder are.
+with weights_only=True), training logs, where the runs of a comparison folder are, and torchrun's processes.
 """
 
 import argparse
+import dataclasses
 import glob
 import json
+import math
 import os
 import re
 import sys
 import tempfile
 from contextlib import nullcontext, suppress
+from datetime import timedelta
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from lime import GPT, GPTConfig
 from prepare_data import atomic_file, on_full_disk, same_encoding
@@ -92,6 +96,16 @@ def setup_device(device, dtype):
     return device, device_type, dtype, ctx, peak
 
 
+def schedule_warnings(cfg):
+    """Warnings for a schedule that can't be what was meant (cfg: train.py's config, resolved)."""
+    lr, decay, warmup = cfg["learning_rate"], cfg["lr_decay_iters"], cfg["warmup_iters"]
+    return [f"--min_lr={cfg['min_lr']:g} is above --learning_rate={lr:g}: the lr rises after the warmup instead of "
+            f"decaying"] * (cfg["min_lr"] > lr) + [
+        f"lr_decay_iters={decay} is below --warmup_iters={warmup}" + (" (it is max_iters unless given)" if decay ==
+        cfg["max_iters"] else "") + f": the lr warms up for {warmup} iters, then drops to min_lr with no decay"
+    ] * (decay < warmup)
+
+
 def variant_name(config):
     """A model's variant in words, from its GPTConfig (or a model_args dict): baseline, LIMe, LIMe lime_kv=k,
     HC-4 (dynamic HC with 4 streams), HC-2-static, LIMe + HC-4."""
@@ -138,6 +152,21 @@ def read_checkpoint(path, device="cpu", keys=("model_args", "model")):
     if missing:
         raise ValueError(f"{bad}: it has no {', '.join(map(repr, missing))} (not written by train.py?); {fix}")
     return ckpt
+
+
+def check_fits(config, device):
+    """ValueError if GPT refuses config or training it can't fit in the memory of device (its parameters counted
+    on the meta device, LIMe's few router weights left out: nothing is allocated)."""
+    with torch.device("meta"):
+        n = GPT(dataclasses.replace(config, lime=False, lime_kv="kv", lime_sources="all")).get_num_params()
+    kind = torch.device(device).type
+    memory = (torch.cuda.get_device_properties(torch.device(device)).total_memory if kind == "cuda" else
+              os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if kind == "cpu" else math.inf)
+    if 16 * n > memory:  # float32 weights, gradients and AdamW's two moments
+        raise ValueError(f"the model has {n:.3g} parameters: training it needs at least {16 * n / 1e9:,.0f} GB (16 "
+                         f"bytes per parameter: weights, gradients, AdamW's two moments), more than the "
+                         f"{memory / 1e9:,.0f} GB " + (f"of {device}" if kind == "cuda" else "this machine has") +
+                         "; use a smaller --n_embd or --n_layer")
 
 
 def load_weights(model, ckpt, path):
@@ -209,8 +238,8 @@ def make_out_dir(out_dir):
                          f"write to") from None
 
 
-def read_log(path, header=False):
-    """The records of a log.jsonl (those with "iter"), or with header=True its {"config": ...} header (or
+def read_log(path, header=False, key="iter"):
+    """The records of a log.jsonl (those with key: "iter"), or with header=True its {"config": ...} header (or
     None). Lines that don't parse (a run killed mid-write) are skipped."""
     records = []
     with open(path) as f:
@@ -221,7 +250,50 @@ def read_log(path, header=False):
                 pass
     if header:
         return next((r for r in records if "config" in r), None)
-    return [r for r in records if "iter" in r]
+    return [r for r in records if key in r]
+
+
+def old_records(path, header, until):
+    """-> (the records of a run's log.jsonl up to iter until, notes on what is missing or dropped), for a resume
+    from the checkpoint of iter until (later records are redone). header: the log header the resumed run
+    writes. ValueError if the log is another run's: its header or its records' FLOPs per iteration differ."""
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        gone = "missing" if not os.path.exists(path) else "empty"
+        return [], [f"{path} is {gone}: the records of iters 0..{until} are lost; the log goes on from iter {until}"]
+    recs, bad, heads = [], 0, []
+    with open(path, errors="replace") as f:
+        for line in filter(str.strip, f):
+            try:
+                r = json.loads(line)
+            except ValueError:
+                r = None
+            if isinstance(r, dict) and isinstance(r.get("config"), dict):
+                heads.append(r)
+            elif isinstance(r, dict) and type(r.get("iter")) is int and isinstance(r.get("flops"), (int, float)):
+                recs.append(r)
+            elif not (isinstance(r, dict) and "test_accuracy" in r):  # (a task's test score: redone at the end)
+                bad += 1
+    per_iter, cfg = header["flops_per_iter"], header["config"]
+    diff = [f"{k}={h['config'][k]!r} there, {cfg[k]!r} here" for h in heads[:1] for k in sorted(cfg)
+            if k in ("dataset", "n_layer", "n_head", "n_embd", "block_size", "lime", "lime_kv", "lime_sources",
+                     "hc_rate", "hc_dynamic", "seed", "batch_size") and k in h["config"] and h["config"][k] != cfg[k]]
+    wrong = [r for r in recs if r["iter"] <= until and not np.isclose(r["flops"], r["iter"] * per_iter, rtol=1e-6)]
+    if wrong and not diff:
+        diff = [f"its records count {wrong[0]['flops'] / max(wrong[0]['iter'], 1):.4g} FLOPs per iter, this run "
+                f"{per_iter:.4g}"]
+    if diff:
+        raise ValueError(f"can't resume: {path} is another run's log ({diff[0]}); put this run's log back, or move "
+                         f"that one away to resume without the old records")
+    keep = [r for r in recs if r["iter"] <= until]
+    notes = [f"dropped {bad} line(s) of {path} that are not log records (cut short, or not written by train.py)"
+             ] * (bad > 0)
+    last = max((r["iter"] for r in keep), default=None)
+    if last is None:
+        notes.append(f"{path} holds no records: those of iters 0..{until} are lost; the log goes on from iter {until}")
+    elif last < until:
+        notes.append(f"{path} ends at iter {last}, the checkpoint at iter {until}: the records in between are lost "
+                     f"(a gap in the curves)")
+    return keep, notes
 
 
 def run_dir(out_dir, folder, i, seed):
@@ -289,6 +361,68 @@ def find_runs(out_dir):
         seeds = [s for s in seeds if s in summary_seeds]
     return [dict(name=v, dir=v, runs=[(s, os.path.join(out_dir, v if s == first else f"{v}_seed{s}")) for s in seeds])
             for v in ("baseline", "lime")] if seeds else []
+
+
+def start_log(path, header, keep_until=None):
+    """Start out_dir/log.jsonl with its header; on resume keep the old records up to keep_until (the
+    checkpoint's iter: later ones are redone) if they are this run's (see common.old_records), with a note
+    saying what is missing or dropped. Atomic, so a crash here loses nothing."""
+    keep, notes = old_records(path, header, keep_until) if keep_until is not None else ([], [])
+    print("".join(f"note: {n}\n" for n in notes), end="")
+    with on_full_disk(path, "it is unchanged; free some space and run this again"), atomic_file(path) as f:
+        f.writelines(json.dumps(r) + "\n" for r in [header] + keep)
+
+
+def kept_text(ckpt_path, saved, what):
+    """What a run keeps when the disk fills up (see prepare_data.on_full_disk): what, and its checkpoint."""
+    return (f"{what}, {ckpt_path} the checkpoint of iter {saved}; free some space, then continue with --resume=True"
+            if saved is not None else f"{what}, and no checkpoint was saved; free some space, delete "
+            f"{os.path.dirname(ckpt_path)} and start again")
+
+
+# -----------------------------------------------------------------------------
+# several processes: `torchrun --nproc_per_node=N train.py ...` starts N copies of this script and tells each
+# who it is through RANK (0..N-1), LOCAL_RANK (its GPU on this machine) and WORLD_SIZE (N)
+
+def setup_ddp(device):
+    """Under torchrun: join the process group (NCCL on CUDA, gloo on CPU) and silence stdout on ranks > 0.
+    Returns the device this process trains on (cuda:LOCAL_RANK on GPUs). Without torchrun: device, unchanged."""
+    if "RANK" not in os.environ:
+        return device
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = device.startswith("cuda")
+    if cuda:  # each process its own GPU, whatever --device said
+        n = torch.cuda.device_count()
+        if local_rank >= n:
+            raise ValueError(f"process {local_rank} needs GPU cuda:{local_rank}, but torch sees {n} GPU(s); "
+                             f"use torchrun --nproc_per_node={n} or fewer")
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    elif device != "cpu":
+        raise ValueError(f"--device={device} under torchrun: several processes need --device=cuda or --device=cpu")
+    # the timeout is a backstop (a collective waits at most this long): torchrun already stops every process
+    # as soon as one exits with an error, so a failing rank fails the job with its own message
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30),
+                            device_id=torch.device(device) if cuda else None)
+    if rank > 0:
+        sys.stdout = open(os.devnull, "w")  # rank 0 alone prints; errors (stderr) still show from every rank
+    return device
+
+
+def ddp_rank_world():
+    """(this process's rank, number of processes): (0, 1) without torchrun."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def from_rank0(x, device):
+    """The float x of rank 0, on every rank (the others wait here for it)."""
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.broadcast(t, 0)
+    return t.item()
 
 
 def run_main(main):

@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
@@ -39,10 +40,10 @@ import torch.distributed as dist
 
 import analyze
 import train
-from common import (find_runs, make_out_dir, read_log, read_summary, run_dir, run_files, run_main, setup_device,
-                    str2bool)
+from common import (check_fits, find_runs, make_out_dir, read_log, read_summary, run_dir, run_files, run_main,
+                    setup_device, str2bool)
 from lime import GPTConfig
-from prepare_data import atomic_file
+from prepare_data import atomic_file, on_full_disk
 
 VARIANTS = {  # name: the flags it sets, over the command line's. Names may hold letters, digits, '_' and '-'
     "baseline": dict(lime=False),  # a standard decoder
@@ -217,6 +218,17 @@ def run_experiment(cfg, explicit, variants):
         [(top, plan(cfg, explicit, variants, top))]
     for k in sorted(set(explicit) & set.intersection(*(set(v.flags) for v in variants))):
         print(f"note: every variant sets --{k}; the flag is ignored")
+    runs = [r for _, rs in experiments for r in rs]
+    if cfg["resume"] and not any(run_files(r.cfg["out_dir"]) for r in runs):
+        raise FileNotFoundError(f"--resume: nothing to resume in {top} (none of its runs has a checkpoint or a log); "
+                                f"drop --resume to start the comparison")
+    device = setup_device(cfg["device"], "float32")[0]
+    for r in runs:  # the data and every model, checked before anything is written (the seeds share them)
+        if r.seed == runs[0].seed and not os.path.exists(os.path.join(r.cfg["out_dir"], "ckpt.pt")):
+            c, data = train.load_data(r.cfg, r.explicit)
+            check_fits(train.model_config(c, data.meta), device)
+    for w in dict.fromkeys(w for r in runs for w in train.schedule_warnings(r.cfg)):
+        print(f"warning: {w}")
     master = train.ddp_rank_world()[0] == 0
     if master:  # under torchrun rank 0 alone looks and writes here (the others might see its writes, and refuse)
         for out_dir, runs in experiments:
@@ -228,7 +240,8 @@ def run_experiment(cfg, explicit, variants):
         seeds = sorted({r.seed for r in runs})
         if master:  # the plan: which variants, folders and seeds make this comparison
             make_out_dir(out_dir)
-            with atomic_file(os.path.join(out_dir, "experiment.json")) as f:
+            with saving(os.path.join(out_dir, "experiment.json"), kept="nothing was trained by this command; free "
+                        "some space and run it again") as f:
                 json.dump(dict(variants=[asdict(v) for v in variants], seeds=seeds), f, indent=1)
         for r in runs:
             d = r.cfg["out_dir"]
@@ -238,7 +251,7 @@ def run_experiment(cfg, explicit, variants):
                 print(f"note: {d} stopped before its first checkpoint; starting it over")
                 if master:
                     os.remove(os.path.join(d, "log.jsonl"))
-            train.train(dict(r.cfg, resume=resume), r.explicit)
+            train.train(dict(r.cfg, resume=resume), r.explicit, warn=False)
         if master:  # rank 0 alone plots, summarizes and analyzes
             print()
             summary = report(out_dir)
@@ -300,6 +313,8 @@ def summarize(seeds, runs, key="val_loss", tests=None):
 
     def reach(recs, ref_recs):
         (f, y, _, _), (rf, ry, _, _) = mean_band(recs, key), mean_band(ref_recs, key)
+        if sign * ry[-1] >= sign * ry[0]:  # the reference ended no better than it began (e.g. 0% accuracy)
+            return dict(flops_to_match=None, ratio=None, no_target=True)
         match = flops_to_reach(f, sign * y, sign * ry[-1])
         return dict(flops_to_match=match, ratio=None if match is None else match / rf[-1])
 
@@ -334,20 +349,23 @@ def format_summary(s):
     loss, pct = (lambda x: f"{x:.4f}"), (lambda x: f"{x:.1%}")
     pm = lambda st, fmt, k="": "?" if f"{k}mean" not in st else fmt(st[f"{k}mean"]) + (
         f" ± {fmt(st[f'{k}std'])}" if n > 1 else "")
-    ratio = lambda r: "never" if r is None else f"{r:.2f}x"
+    ratio = lambda r: "n/a" if r.get("no_target") else "never" if r["ratio"] is None else f"{r['ratio']:.2f}x"
 
     def reaching(sec, what, fmt):
         if len(sec) == 1:
             return []
+        if all(st["mean_curve"].get("no_target") for st in list(sec.values())[1:]):
+            return [f"{ref}'s final {what} {fmt(sec[ref]['mean'])} is no better than at the start: no FLOPs to "
+                    f"reach it"]
         lines = [f"FLOPs to first reach {ref}'s final {what} {fmt(sec[ref]['mean'])}, as a multiple of {ref}'s total "
                  f"FLOPs" + (" (per seed, and on the mean curves):" if n > 1 else ":")]
         for v, st in list(sec.items())[1:]:
             if n > 1:
-                per_seed = ", ".join(f"{p['seed']}: {ratio(p['ratio'])}" for p in st["per_seed"])
-                text = f"per seed: {per_seed}; mean curves: {ratio(st['mean_curve']['ratio'])}"
+                per_seed = ", ".join(f"{p['seed']}: {ratio(p)}" for p in st["per_seed"])
+                text = f"per seed: {per_seed}; mean curves: {ratio(st['mean_curve'])}"
             else:
                 p = st["per_seed"][0]
-                text = "never" if p["ratio"] is None else f"{p['ratio']:.2f}x ({p['flops_to_match']:.3e} FLOPs)"
+                text = ratio(p) + (f" ({p['flops_to_match']:.3e} FLOPs)" if p["ratio"] is not None else "")
             lines.append(f"  {v:<{w}}  {text}")
         return lines
 
@@ -357,12 +375,18 @@ def format_summary(s):
     lines += [f"  {v:<{w}}  {pm(st, loss)}  after {st['flops']:.3e} FLOPs{note(v)}" for v, st in s["val_loss"].items()]
     lines += reaching(s["val_loss"], "val loss", loss) + ["  (linear interpolation between eval points)"]
     if "accuracy" in s:
-        lines.append(f"accuracy (greedy, final answer correct){', mean ± std' if n > 1 else ''}: val = first "
-                     f"{train.ACCURACY_PROBLEMS} val problems at the end, test = the whole test split")
+        lines.append(f"accuracy (greedy, final answer correct){', mean ± std' if n > 1 else ''}: val = "
+                     f"{problems(s)} val problems at the end, test = the whole test split")
         lines += [f"  {v:<{w}}  val {pm(st, pct)}  test {pm(st, pct, 'test_accuracy_')}{note(v)}"
                   for v, st in s["accuracy"].items()]
         lines += reaching(s["accuracy"], "val accuracy", pct)
     return lines
+
+
+def problems(summary):
+    """How many val problems the accuracy is measured on, in words (logs from before the header said so: at most)."""
+    n = summary.get("val_problems")
+    return f"the first {n}" if n else f"the first (up to) {train.ACCURACY_PROBLEMS}"
 
 
 def read_test_accuracy(path, at_iter=None):
@@ -389,6 +413,10 @@ def load_logs(out_dir):
     """-> (find_runs(out_dir), seeds, {variant: [run dir of each seed]}, {run dir: log records}) for the seeds
     every variant has a log of (the others are left out with a note: still to be trained)."""
     variants = find_runs(out_dir)
+    if not variants and (os.path.isfile(out_dir) or run_files(out_dir)):  # (not: "make one there")
+        what = "a file" if os.path.isfile(out_dir) else "a single run's folder (train.py)"
+        raise ValueError(f"{out_dir} is {what}, not a comparison folder: give the folder compare.py made (it "
+                         f"holds experiment.json and a folder per variant)")
     if not variants:
         raise FileNotFoundError(f"no comparison in {out_dir} (no experiment.json, no baseline/ or lime/); make one "
                                 f"with: python compare.py --out_dir={out_dir}")
@@ -420,6 +448,13 @@ def report(out_dir):
     summary = dict(seeds=seeds, iter=at, reference=ref, variants=[dict(name=v["name"], dir=v["dir"]) for v in variants],
                    val_loss=summarize(seeds, runs, "val_loss"))
     old = read_summary(out_dir) or {}
+    gone = [s for s in old.get("seeds", []) if s not in seeds]
+    if gone:  # never a summary of fewer seeds
+        raise ValueError(f"not replacing {out_dir}/summary.json and its figures: they compare seeds "
+                         f"{', '.join(map(str, old['seeds']))}, but seed {', '.join(map(str, gone))} has no logs here "
+                         f"now. Put those runs back (or finish them: python compare.py --resume=True --out_dir={out_dir} "
+                         f"and the flags they were made with), or delete summary.json to plot seed "
+                         f"{', '.join(map(str, seeds))} alone")
     if isinstance(old.get("iter"), int) and old["iter"] > at:  # never a worse-informed figure
         raise ValueError(f"not replacing {out_dir}/summary.json and loss_vs_flops.png: they compare the runs at "
                          f"iter {old['iter']}, further than the logs now reach ({ends}). Let the runs finish (python "
@@ -427,7 +462,7 @@ def report(out_dir):
                          f"summary.json to plot them as they are")
     h, title = read_log(os.path.join(dirs[ref][0], "log.jsonl"), header=True), ""
     if h:
-        c, summary["passes"] = h["config"], h.get("passes")
+        c, summary["passes"], summary["val_problems"] = h["config"], h.get("passes"), h.get("val_problems")
         title = (f"{c['dataset']}: n_layer={c['n_layer']}, n_embd={c['n_embd']}, n_head={c['n_head']}, block_size="
                  f"{c['block_size']}, batch_size={c['batch_size']}, {c['max_iters']} iters, lr={c['learning_rate']:g}, "
                  f"router_lr={c['router_lr']:g} ({ref}'s); val loss on {c['eval_iters']} fixed batches")
@@ -441,7 +476,7 @@ def report(out_dir):
         summary["accuracy"] = summarize(seeds, runs, "accuracy", tests)
         paths.append(os.path.join(out_dir, "accuracy_vs_flops.png"))
         plot_compare(paths[1], runs, summary, title, key="accuracy")
-    with atomic_file(os.path.join(out_dir, "summary.json")) as f:
+    with saving(os.path.join(out_dir, "summary.json")) as f:
         json.dump(summary, f, indent=1)
     paths.append(os.path.join(out_dir, "summary.json"))
     print("\n".join(format_summary(summary)) + f"\nwrote {', '.join(paths[:-1])} and {paths[-1]}")
@@ -462,10 +497,21 @@ def pyplot():
     return plt
 
 
+@contextmanager
+def saving(path, mode="w", kept=None):
+    """atomic_file(path, mode), a full disk as one error saying what is kept (see prepare_data.on_full_disk)."""
+    kept = kept or (f"it is unchanged, and the runs' checkpoints and logs are complete; free some space, then "
+                    f"redraw with: python compare.py --plot={os.path.dirname(path) or '.'}")
+    with on_full_disk(path, kept), atomic_file(path, mode) as f:
+        yield f
+
+
 def save_figure(fig, path):
-    with atomic_file(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=110)
-    pyplot().close(fig)
+    try:
+        with saving(path, "wb") as f:
+            fig.savefig(f, format="png", dpi=110)
+    finally:
+        pyplot().close(fig)
 
 
 def plot_compare(path, runs, summary, title="", key="val_loss"):
@@ -494,7 +540,7 @@ def plot_compare(path, runs, summary, title="", key="val_loss"):
     never = []
     for (v, st), color in list(zip(sec.items(), COLORS * len(sec)))[1:]:
         match, ratio = st["mean_curve"]["flops_to_match"], st["mean_curve"]["ratio"]
-        if match is None:
+        if match is None and not st["mean_curve"].get("no_target"):
             never.append(v)
         for ax in right if match is not None else []:
             ax.axvline(match, color=color, ls=":", lw=1.2, label=f"{v} reaches it: {ratio:.2f}x the FLOPs")
@@ -516,7 +562,7 @@ def plot_compare(path, runs, summary, title="", key="val_loss"):
         axes[0].set(ylabel="loss on the solution tokens (nats/token)", yscale="log",
                     title="loss vs training FLOPs" + (f" (mean of {n} seeds, log scale)" if n > 1 else " (log scale)"))
         axes[1].set(ylabel="accuracy (%)", title=f"accuracy vs training FLOPs: greedy solutions of\n"
-                    f"{train.ACCURACY_PROBLEMS} val problems, final answer correct" + never_text)
+                    f"{problems(summary)} val problems, final answer correct" + never_text)
         axes[1].title.set_fontsize(10)
     handles, labels = axes[1].get_legend_handles_labels()
     if key == "val_loss":
@@ -581,7 +627,7 @@ def sweep_report(out_dir):
                 lines.append(f"  {v} at {L} layers {st['mean']:.4f} with {st['flops'] / b['flops']:.2f}x the FLOPs of "
                              f"{ref} at {2 * L} layers {b['mean']:.4f}")
     summary = dict(depths=depths, reference=ref, per_depth=rows)
-    with atomic_file(os.path.join(out_dir, "sweep.json")) as f:
+    with saving(os.path.join(out_dir, "sweep.json")) as f:
         json.dump(summary, f, indent=1)
     path = os.path.join(out_dir, "loss_vs_depth.png")
     plot_depths(path, rows)
@@ -620,7 +666,16 @@ def plot_depths(path, rows):
 
 def main(argv=None):
     cfg, explicit = train.get_config(argv, FLAGS, PRESETS, "compare.py", __doc__)
-    if (cfg["plot"] or cfg["analyze"]) and int(os.environ.get("RANK", 0)) > 0:
+    mode = [k for k in ("plot", "analyze") if cfg[k] is not None]
+    if len(mode) > 1:
+        raise ValueError("--plot and --analyze are two jobs: give one, then run the other")
+    unused = sorted(explicit - {"plot", "analyze", "device" if mode == ["analyze"] else "plot"} - (
+        set(PRESETS[cfg["preset"]]) if "preset" in explicit else set()))
+    if mode and unused:  # (they would be ignored: say so rather than seem to use them)
+        raise ValueError(f"--{mode[0]} uses " + ("no other flag" if mode == ["plot"] else "only --device") + ": drop "
+                         + ", ".join(f"--{k}" for k in unused) + (f" (analyze.py's options: python analyze.py "
+                                                                  f"{cfg['analyze']} --help)" * (mode == ["analyze"])))
+    if mode and int(os.environ.get("RANK", 0)) > 0:
         return None  # under torchrun, rank 0 alone redraws or analyzes
     if cfg["plot"]:  # a depth sweep's folder, or a comparison's
         return sweep_report(cfg["plot"]) if sweep_depths(cfg["plot"]) else report(cfg["plot"])

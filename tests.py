@@ -4,6 +4,7 @@ The test suite: CPU, offline, a couple of minutes on 2 cores.
     python -m pytest tests.py -q
 """
 
+import contextlib
 import errno
 import json
 import math
@@ -2410,6 +2411,221 @@ def test_train_compare_flags_moved_to_compare_py(tmp_path):
         with pytest.raises(ValueError, match=re.escape(f"{argv[0].split('=')[0]} is compare.py's now") + ".*"
                            + re.escape(then)):
             train.main(argv)
+
+
+# ----------------------------------------------------------------------------- issue 26: train.py / compare.py
+
+@pytest.mark.parametrize("script, flag", [("train", "--out_dir="), ("train", "--dataset="), ("compare", "--out_dir="),
+                                          ("compare", "--plot="), ("compare", "--analyze="), ("compare", "--depths=")])
+def test_empty_flag_value_refused(tiny_data, tmp_path, monkeypatch, script, flag):
+    """--out_dir= used to train into the current folder, --plot '' / --analyze '' to train, --depths= to not sweep."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(f"{flag[:-1]} is empty; give it a value (see python {script}.py")):
+        {"train": train, "compare": compare}[script].main(tiny_data("--max_iters=2", flag))
+    assert sorted(os.listdir(tmp_path)) == ["data"]
+
+
+REFUSALS = [
+    (["--n_embd=30", "--n_head=4"], "n_embd=30 is not divisible by n_head=4"),  # after out_dir was made
+    (["--beta1=1.5"], "need 0 <= --beta1 < 1, got 1.5"),                       # was torch's "beta parameter at index 0"
+    (["--beta2=-0.1"], "need 0 <= --beta2 < 1, got -0.1"),
+    (["--n_embd=400000"], "training it needs at least"),                        # was an allocator traceback
+    ([f"--seed={2**64}"], "--seed must be below 2**63"),                        # was "Overflow when unpacking long long"
+    (["--dataset=nope"], "no dataset at"),                                      # compare.py: after experiment.json
+]
+
+
+@pytest.mark.parametrize("script, flags, match", [(s, f, m) for s in ("train", "compare") for f, m in REFUSALS
+                                                  if s == "compare" or f != ["--dataset=nope"]])  # (train.py: done)
+def test_config_refusal_writes_nothing(tiny_data, tmp_path, script, flags, match):
+    out = tmp_path / "o"
+    with pytest.raises((ValueError, FileNotFoundError), match=re.escape(match)):
+        {"train": train, "compare": compare}[script].main(tiny_data("--max_iters=2", f"--out_dir={out}", *flags))
+    assert not out.exists()
+
+
+def test_compare_resume_with_nothing_to_resume_refused(tiny_data, tmp_path):
+    out = tmp_path / "c"
+    with pytest.raises(FileNotFoundError, match=re.escape(f"--resume: nothing to resume in {out} (none of its runs "
+                                                          f"has a checkpoint or a log); drop --resume")):
+        compare.main(tiny_data("--max_iters=2", f"--out_dir={out}", "--resume=True"))
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--plot=X", "--analyze=X"], "--plot and --analyze are two jobs: give one, then run the other"),
+    (["--plot=X", "--lime=True"], "--plot uses no other flag: drop --lime"),
+    (["--plot=X", "--preset=deep"], "--plot uses no other flag: drop --preset"),
+    (["--analyze=X", "--seeds=3", "--device=cpu"], "--analyze uses only --device: drop --seeds (analyze.py's options"),
+])
+def test_compare_plot_and_analyze_refuse_flags_they_ignore(tmp_path, flags, match):
+    write_logs(tmp_path, {"baseline": log([0, 10], [4.0, 3.0]), "lime": log([0, 11], [4.0, 2.9])})
+    with pytest.raises(ValueError, match=re.escape(match)):
+        compare.main([f.replace("X", str(tmp_path)) for f in flags])
+    assert not (tmp_path / "summary.json").exists()
+
+
+@pytest.mark.parametrize("what", ["run folder", "file"])
+def test_compare_plot_on_a_run_folder_or_file(tmp_path, what):
+    write_logs(tmp_path, {"run": log([0, 10], [4.0, 3.0])})
+    target = tmp_path / "run" / ("log.jsonl" if what == "file" else "")
+    with pytest.raises(ValueError, match=re.escape(f"{str(target).rstrip('/')} is " + (
+            "a file" if what == "file" else "a single run's folder (train.py)") + ", not a comparison folder")):
+        compare.main([f"--plot={target}"])
+    assert os.listdir(tmp_path / "run") == ["log.jsonl"]
+
+
+@pytest.mark.parametrize("plan", [True, False])  # with experiment.json, and a folder of train.py --compare
+def test_compare_plot_keeps_the_summary_when_a_seed_is_gone(tmp_path, plan):
+    write_logs(tmp_path, {d: log([0, 10, 20], [4.0, 3.0, 2.0]) for d in ("baseline", "lime", "baseline_seed2",
+                                                                         "lime_seed2")})
+    if plan:
+        with open(tmp_path / "experiment.json", "w") as f:
+            json.dump(dict(variants=[dict(name=v, dir=v, flags={}) for v in ("baseline", "lime")], seeds=[1, 2]), f)
+    assert compare.main([f"--plot={tmp_path}"])["seeds"] == [1, 2]
+    before = (tmp_path / "summary.json").read_bytes()
+    shutil.rmtree(tmp_path / "baseline_seed2")
+    shutil.rmtree(tmp_path / "lime_seed2")
+    with pytest.raises(ValueError, match=re.escape(f"not replacing {tmp_path}/summary.json and its figures: they "
+                                                   f"compare seeds 1, 2, but seed 2 has no logs here now")):
+        compare.main([f"--plot={tmp_path}"])
+    assert (tmp_path / "summary.json").read_bytes() == before
+
+
+def test_compare_no_reach_claim_when_the_reference_never_improves(tmp_path, capsys):
+    """Both variants at 0% accuracy: no "reaches it at 0.00x"; the real number of val problems is stated."""
+    runs = {"baseline": log([0, 10, 20], [4.0, 3.0, 2.0]), "lime": log([0, 11, 22], [4.0, 2.0, 1.5])}
+    for recs in runs.values():
+        for r in recs:
+            r["accuracy"] = 0.0
+    write_logs(tmp_path, runs)
+    for d in runs:  # the header says how many val problems the accuracy is measured on
+        lines = (tmp_path / d / "log.jsonl").read_text().splitlines()
+        head = dict(json.loads(lines[0]), val_problems=100)
+        (tmp_path / d / "log.jsonl").write_text("\n".join([json.dumps(head)] + lines[1:]) + "\n")
+    s = compare.main([f"--plot={tmp_path}"])
+    assert s["accuracy"]["lime"]["mean_curve"]["ratio"] is None and s["val_problems"] == 100
+    out = capsys.readouterr().out
+    assert "baseline's final val accuracy 0.0% is no better than at the start: no FLOPs to reach it" in out
+    assert "0.00x" not in out and "val = the first 100 val problems" in out and "500 val" not in out
+    assert "lime      0.55x" in out  # (the val loss does improve: its claim stays)
+
+
+RESUME_DAMAGE = [  # what is done to log.jsonl before --resume, and the note (or refusal) it gets
+    ("deleted", "L is missing: the records of iters 0..4 are lost; the log goes on from iter 4"),
+    ("emptied", "L is empty: the records of iters 0..4 are lost; the log goes on from iter 4"),
+    ("cut mid-line", "L ends at iter 0, the checkpoint at iter 4: the records in between are lost"),
+    ("garbage lines", "dropped 2 line(s) of L that are not log records"),
+    ("another run's", "can't resume: L is another run's log (lime=True there, False here)"),
+    ("another run's records", "can't resume: L is another run's log (its records count"),
+]
+
+
+def test_train_resume_says_what_the_log_lacks(tiny_data, tmp_path, capsys):
+    good, other = str(tmp_path / "good"), str(tmp_path / "lime")
+    train.main(tiny_data("--max_iters=4", f"--out_dir={good}"))
+    train.main(tiny_data("--max_iters=4", f"--out_dir={other}", "--lime=True"))
+    lines = open(os.path.join(good, "log.jsonl")).readlines()
+    for damage, note in RESUME_DAMAGE:
+        out = str(tmp_path / damage.replace(" ", "_"))
+        shutil.copytree(good, out)
+        L = os.path.join(out, "log.jsonl")
+        text = {"deleted": None, "emptied": "", "cut mid-line": "".join(lines[:2]) + lines[2][:20],
+                "garbage lines": "".join(lines[:2] + ["hello\n", "[1, 2]\n"] + lines[2:]),
+                "another run's": open(os.path.join(other, "log.jsonl")).read(),
+                "another run's records": "".join(open(os.path.join(other, "log.jsonl")).readlines()[1:])}[damage]
+        os.remove(L)
+        if text is not None:
+            open(L, "w").write(text)
+        capsys.readouterr()
+        if damage.startswith("another"):
+            with pytest.raises(ValueError, match=re.escape(note.replace("L", L))):
+                train.main(tiny_data("--max_iters=6", f"--out_dir={out}", "--resume=True"))
+            assert open(L).read() == text  # left as it was
+            continue
+        train.main(tiny_data("--max_iters=6", f"--out_dir={out}", "--resume=True"))
+        assert f"note: {note.replace('L', L)}" in capsys.readouterr().out
+        iters = [r["iter"] for r in records(out)]
+        assert iters == {"deleted": [6], "emptied": [6], "cut mid-line": [0, 6]}.get(damage, [0, 2, 4, 6])
+
+
+def test_train_resuming_a_finished_run_writes_nothing(tiny_data, tmp_path, capsys):
+    out = tmp_path / "o"
+    train.main(tiny_data("--max_iters=4", f"--out_dir={out}"))
+    before = {f: (out / f).read_bytes() for f in os.listdir(out)}
+    assert train.main(tiny_data("--max_iters=4", f"--out_dir={out}", "--resume=True"))["iter"] == 4
+    assert "already trained to iter 4 (max_iters=4); nothing to do" in capsys.readouterr().out
+    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before  # not even the log's header
+    os.remove(out / "log.jsonl")
+    train.main(tiny_data("--max_iters=4", f"--out_dir={out}", "--resume=True"))
+    assert os.listdir(out) == ["ckpt.pt"]
+
+
+class FullDiskFile:
+    """A file whose writes fail with ENOSPC after the first n."""
+    def __init__(self, f, n):
+        self.f, self.n = f, n
+
+    def write(self, s):
+        self.n -= 1
+        if self.n < 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.f.write(s)
+
+    def writelines(self, lines):
+        for s in lines:
+            self.write(s)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+@pytest.mark.parametrize("where", ["log record", "log header", "summary.json", "loss_vs_flops.png"])
+def test_full_disk_while_logging_or_plotting(tiny_data, tmp_path, monkeypatch, where):
+    """One error line that says the disk is full and what was kept; nothing is damaged, and the run resumes."""
+    out = str(tmp_path / "o")
+    L = os.path.join(out, "log.jsonl")
+    if where == "log record":  # records 0, 2 and 4 (then the checkpoint of iter 4), then 6 fails
+        full = lambda p, mode="r", *a, **k: (FullDiskFile(open(p, mode, *a, **k), 3) if mode == "a"
+                                             else open(p, mode, *a, **k))
+        monkeypatch.setattr(train, "open", full, raising=False)
+        with pytest.raises(prepare_data.DiskFullError, match=re.escape(
+                f"the disk is full (No space left on device) while writing {L}; {L} holds the records before iter 6, "
+                f"{out}/ckpt.pt the checkpoint of iter 4; free some space, then continue with --resume=True")):
+            train.main(tiny_data("--max_iters=8", f"--out_dir={out}"))
+        monkeypatch.undo()
+        train.main(tiny_data("--max_iters=8", f"--out_dir={out}", "--resume=True"))
+        assert [r["iter"] for r in records(out)] == [0, 2, 4, 6, 8]
+        return
+    real = prepare_data.atomic_file
+    @contextlib.contextmanager
+    def full(path, mode="w"):
+        with real(path, mode) as f:
+            yield FullDiskFile(f, 0) if path.endswith(where.replace("log header", "log.jsonl")) else f
+    monkeypatch.setattr(common if where == "log header" else compare, "atomic_file", full)
+    if where == "log header":
+        with pytest.raises(prepare_data.DiskFullError, match=re.escape(f"while writing {L}; it is unchanged; free")):
+            train.main(tiny_data("--max_iters=2", f"--out_dir={out}"))
+        assert os.listdir(out) == []
+        return
+    write_logs(out, {"baseline": log([0, 10], [4.0, 3.0]), "lime": log([0, 11], [4.0, 2.9])})
+    p = os.path.join(out, where)
+    with pytest.raises(prepare_data.DiskFullError, match=re.escape(
+            f"the disk is full (No space left on device) while writing {p}; it is unchanged, and the runs' checkpoints "
+            f"and logs are complete; free some space, then redraw with: python compare.py --plot={out}")):
+        compare.main([f"--plot={out}"])
+    assert not os.path.exists(p) and not [f for f in os.listdir(out) if f.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("flags, warning", [
+    (["--min_lr=0.1", "--learning_rate=0.01"], "warning: --min_lr=0.1 is above --learning_rate=0.01: the lr rises"),
+    (["--lr_decay_iters=1", "--warmup_iters=3"], "warning: lr_decay_iters=1 is below --warmup_iters=3: the lr warms"),
+])
+@pytest.mark.parametrize("script", ["train", "compare"])
+def test_schedule_that_cannot_be_meant_warns_once(tiny_data, tmp_path, monkeypatch, capsys, script, flags, warning):
+    monkeypatch.setattr(compare, "run_analyze", lambda out_dir, device="auto": None)
+    {"train": train, "compare": compare}[script].main(tiny_data("--max_iters=2", f"--out_dir={tmp_path / 'o'}", *flags))
+    assert capsys.readouterr().out.count(warning) == 1
 
 
 # ----------------------------------------------------------------------------- sample.py

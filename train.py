@@ -31,19 +31,20 @@ import os
 import shlex
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import (ArgParser, check_dataset, fixed_val_batches, load_weights, make_out_dir, read_checkpoint, read_log,
-                    run_files, run_main, sample_batch, save_checkpoint, setup_device, str2bool, variant_name)
+from common import (ArgParser, check_dataset, check_fits, ddp_rank_world, fixed_val_batches, from_rank0, kept_text,
+                    load_weights, make_out_dir, read_checkpoint, read_log, run_files, run_main, sample_batch,
+                    save_checkpoint, schedule_warnings, setup_ddp, setup_device, start_log, str2bool,
+                    variant_name)
 from lime import GPT, GPTConfig, LIME_KV, LIME_SOURCES
-from prepare_data import atomic_file, load_meta, load_rows, load_tokens, task_answer
+from prepare_data import load_meta, load_rows, load_tokens, on_full_disk, task_answer
 
 # -----------------------------------------------------------------------------------------------------
 # config: nanoGPT flag names; None = filled in by the preset or derived (see resolve)
@@ -149,6 +150,9 @@ def get_config(argv=None, flags=FLAGS, presets=PRESETS, prog="train.py", descrip
         else:
             parser.add_argument(f"--{name}", type=typ, help=help)
     args = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+    empty = [k for k, v in args.items() if v == ""]  # (--out_dir= would write into the current folder)
+    if empty:
+        raise ValueError(f"--{empty[0]} is empty; give it a value (see python {prog} --help)")
     preset = args.get("preset", "cpu")
     if preset not in presets:
         raise ValueError(f"unknown --preset={preset}; choose one of {', '.join(presets)}")
@@ -174,8 +178,11 @@ def resolve(cfg):
             raise ValueError(f"--{k} must be at least {lo}, got {cfg[k]}")
     if cfg["lr_decay"] not in ("cosine", "linear"):
         raise ValueError(f"--lr_decay must be cosine or linear, got {cfg['lr_decay']!r}")
-    if not 0 <= cfg["dropout"] < 1:
-        raise ValueError(f"need 0 <= --dropout < 1, got {cfg['dropout']}")
+    for k in ("dropout", "beta1", "beta2"):
+        if not 0 <= cfg[k] < 1:
+            raise ValueError(f"need 0 <= --{k} < 1, got {cfg[k]}")
+    if cfg["seed"] >= 2**63:  # (torch.manual_seed's limit)
+        raise ValueError(f"--seed must be below 2**63, got {cfg['seed']}")
     for k, allowed in (("lime_kv", LIME_KV), ("lime_sources", LIME_SOURCES)):
         if cfg[k] not in allowed:
             raise ValueError(f"--{k} must be one of {', '.join(allowed)}, got {cfg[k]!r}")
@@ -315,60 +322,22 @@ def answer_accuracy(model, data, ctx, n=None, batch_size=512):
     return correct / len(rows)
 
 
-def log_test_accuracy(model, cfg, meta, ctx, log_path, iter_num):
+def log_test_accuracy(model, cfg, meta, ctx, log_path, iter_num, done=False):
     """Accuracy on the whole test split, appended to the log as {"test_accuracy", "test_problems",
-    "at_iter"} (no "iter" key: the curves skip it); printed, and returned."""
-    test = Rows(load_rows(os.path.join(cfg["data_dir"], cfg["dataset"]), "test", meta), meta)
-    rec = dict(test_accuracy=answer_accuracy(model, test, ctx), test_problems=len(test), at_iter=iter_num)
-    with open(log_path, "a") as f:
-        f.write(json.dumps(rec) + "\n")
-    print(f"test accuracy {rec['test_accuracy']:.1%} ({len(test)} problems, greedy, iter {iter_num})")
+    "at_iter"} (no "iter" key: the curves skip it); printed, and returned. done (a finished run resumed):
+    the log's record of iter_num if it has one, nothing written."""
+    old = [r for r in read_log(log_path, key="test_accuracy") if r.get("at_iter") == iter_num] \
+        if done and os.path.exists(log_path) else []
+    if old:
+        rec = old[-1]
+    else:
+        test = Rows(load_rows(os.path.join(cfg["data_dir"], cfg["dataset"]), "test", meta), meta)
+        rec = dict(test_accuracy=answer_accuracy(model, test, ctx), test_problems=len(test), at_iter=iter_num)
+        with on_full_disk(log_path, kept_text(os.path.join(cfg["out_dir"], "ckpt.pt"), iter_num, "the log's "
+                                              "training records")), open(log_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    print(f"test accuracy {rec['test_accuracy']:.1%} ({rec['test_problems']} problems, greedy, iter {iter_num})")
     return rec
-
-
-# -----------------------------------------------------------------------------------------------------
-# several processes: `torchrun --nproc_per_node=N train.py ...` starts N copies of this script and tells each
-# who it is through RANK (0..N-1), LOCAL_RANK (its GPU on this machine) and WORLD_SIZE (N)
-
-def setup_ddp(device):
-    """Under torchrun: join the process group (NCCL on CUDA, gloo on CPU) and silence stdout on ranks > 0.
-    Returns the device this process trains on (cuda:LOCAL_RANK on GPUs). Without torchrun: device, unchanged."""
-    if "RANK" not in os.environ:
-        return device
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    cuda = device.startswith("cuda")
-    if cuda:  # each process its own GPU, whatever --device said
-        n = torch.cuda.device_count()
-        if local_rank >= n:
-            raise ValueError(f"process {local_rank} needs GPU cuda:{local_rank}, but torch sees {n} GPU(s); "
-                             f"use torchrun --nproc_per_node={n} or fewer")
-        device = f"cuda:{local_rank}"
-        torch.cuda.set_device(device)
-    elif device != "cpu":
-        raise ValueError(f"--device={device} under torchrun: several processes need --device=cuda or --device=cpu")
-    # the timeout is a backstop (a collective waits at most this long): torchrun already stops every process
-    # as soon as one exits with an error, so a failing rank fails the job with its own message
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30),
-                            device_id=torch.device(device) if cuda else None)
-    if rank > 0:
-        sys.stdout = open(os.devnull, "w")  # rank 0 alone prints; errors (stderr) still show from every rank
-    return device
-
-
-def ddp_rank_world():
-    """(this process's rank, number of processes): (0, 1) without torchrun."""
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
-def from_rank0(x, device):
-    """The float x of rank 0, on every rank (the others wait here for it)."""
-    if not dist.is_initialized():
-        return x
-    t = torch.tensor([x], dtype=torch.float64, device=device)
-    dist.broadcast(t, 0)
-    return t.item()
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -426,23 +395,29 @@ def open_run(cfg, explicit, master):
     return {**cfg, **{k: v for k, v in old.items() if k in FLAG_NAMES}, **now}, ckpt
 
 
+def model_config(cfg, meta):
+    """The GPTConfig of cfg's model on a dataset with this meta.json."""
+    return GPTConfig(vocab_size=meta["vocab_size"], block_size=cfg["block_size"], n_layer=cfg["n_layer"],
+                     n_head=cfg["n_head"], n_embd=cfg["n_embd"], dropout=cfg["dropout"], lime=cfg["lime"],
+                     fused_mix=cfg["fused_mix"], lime_kv=cfg["lime_kv"], lime_sources=cfg["lime_sources"],
+                     hc_rate=cfg["hc_rate"], hc_dynamic=cfg["hc_dynamic"])
+
+
 def make_model(cfg, meta, ckpt, device, dtype):
     """-> (GPT on device, its model_args, optimizer, grad scaler). The init depends on the seed alone: the
     same weights, routers aside, with and without LIMe. On resume: the checkpoint's weights (if its model is
     this model), optimizer, scaler and RNG states; each parameter group's peak lr and weight decay stay
     those of the flags given now."""
     torch.manual_seed(cfg["seed"])  # right before the model: same non-router init with and without LIMe
-    model_args = asdict(GPTConfig(vocab_size=meta["vocab_size"], block_size=cfg["block_size"],
-                                  n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"],
-                                  dropout=cfg["dropout"], lime=cfg["lime"], fused_mix=cfg["fused_mix"],
-                                  lime_kv=cfg["lime_kv"], lime_sources=cfg["lime_sources"],
-                                  hc_rate=cfg["hc_rate"], hc_dynamic=cfg["hc_dynamic"]))
+    config = model_config(cfg, meta)
+    model_args = asdict(config)
     path, device_type = os.path.join(cfg["out_dir"], "ckpt.pt"), torch.device(device).type
     for k, v in ({**BEFORE_SWITCHES, **ckpt["model_args"]} if ckpt is not None else {}).items():
         if k not in ("dropout", "fused_mix") and model_args.get(k) != v:  # e.g. the data was re-prepared
             raise ValueError(f"can't resume from {path}: model {k} differs (checkpoint has {v!r}, "
                              f"now {model_args.get(k)!r})")
-    model = GPT(GPTConfig(**model_args)).to(device)
+    check_fits(config, device)  # (before anything is allocated)
+    model = GPT(config).to(device)
     optimizer = model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"], (cfg["beta1"], cfg["beta2"]),
                                            cfg["router_lr"], device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
@@ -525,14 +500,16 @@ def run_eval(model, raw_model, data, ctx, device, iter_num):
     return out
 
 
-def train(cfg, explicit=()):
+def train(cfg, explicit=(), warn=True):
     """Train one model as cfg (get_config's dict, after resolve) says, logging to out_dir/log.jsonl and
     checkpointing to out_dir/ckpt.pt at every evaluation. explicit: the flags given explicitly (on --resume
     they win over the checkpoint's). Returns {"out_dir", "iter", "val_loss", "flops"} of the end, and on a
-    task "accuracy" and "test_accuracy"."""
+    task "accuracy" and "test_accuracy". warn: print schedule_warnings (compare.py prints them once itself)."""
     rank, world = ddp_rank_world()
     master = rank == 0  # rank 0 alone checks and writes out_dir, evaluates, logs and checkpoints
     cfg, ckpt = open_run(cfg, explicit, master)
+    for w in schedule_warnings(cfg) if warn else []:
+        print(f"warning: {w}")
     out_dir = cfg["out_dir"]
     ckpt_path, log_path = os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "log.jsonl")
     if cfg["gradient_accumulation_steps"] % world:
@@ -543,10 +520,9 @@ def train(cfg, explicit=()):
     if ckpt is not None:  # the data must be the data it was trained on
         check_dataset(ckpt, data.meta, os.path.join(cfg["data_dir"], cfg["dataset"]), ckpt_path)
     device, device_type, dtype, ctx, peak = setup_device(cfg["device"], cfg["dtype"])
-    if master:
-        make_out_dir(out_dir)
-
     raw_model, model_args, optimizer, scaler = make_model(cfg, data.meta, ckpt, device, dtype)
+    if master:  # (after every check: a refusal leaves no folder behind)
+        make_out_dir(out_dir)
     iter_num, best_val, last_saved, last = 0, math.inf, None, {}  # last: the latest evaluation
     if ckpt is not None:
         iter_num, best_val, last_saved = ckpt["iter_num"], ckpt["best_val_loss"], ckpt["iter_num"]
@@ -574,11 +550,12 @@ def train(cfg, explicit=()):
         print(f"warning: {passes:.1f} passes over the training data (more than {MAX_PASSES}): late val losses then "
               f"measure memorization as much as learning; lower --max_iters or prepare more data")
 
-    log = None
-    if master:
+    log, done = None, ckpt is not None and iter_num >= max_iters  # done: nothing to do, nothing to write
+    if master and not done:
         start_log(log_path, {"config": cfg, "model_args": model_args, "n_params": raw_model.get_num_params(),
                              "flops_per_iter": flops_per_iter, "tokens_per_iter": tokens_per_iter, "passes": passes,
-                             "world_size": world}, keep_until=iter_num if ckpt is not None else None)
+                             "world_size": world, **({"val_problems": min(ACCURACY_PROBLEMS, len(data.val))}
+                                                     if data.rows else {})}, iter_num if ckpt is not None else None)
         log = open(log_path, "a")
     logged = ckpt["iter_num"] if ckpt is not None else -1  # a resumed run's last iteration is in the log already
     lr = get_lr(iter_num, cfg)
@@ -604,8 +581,10 @@ def train(cfg, explicit=()):
                     last = run_eval(model, raw_model, data, ctx, device, iter_num)
                     rec.update(last)
                 if master:
-                    log.write(json.dumps(rec) + "\n")
-                    log.flush()
+                    with on_full_disk(log_path, kept_text(ckpt_path, last_saved, f"{log_path} holds the records "
+                                                                                  f"before iter {iter_num}")):
+                        log.write(json.dumps(rec) + "\n")
+                        log.flush()
                 if do_eval:
                     best_val = min(best_val, last["val_loss"])
                     if iter_num > 0:  # (iter 0 is the initial state: nothing to save)
@@ -629,18 +608,18 @@ def train(cfg, explicit=()):
         raise NonFiniteLoss(f"{e}; stopped ({good}). Try a lower --learning_rate") from None
     finally:
         if log is not None:
-            log.close()
+            with suppress(OSError):  # (a full disk: already said)
+                log.close()
     if world > 1:
         dist.barrier()  # rank 0's last log record and checkpoint are written: every rank may read them now
-    trained = ckpt is None or iter_num > ckpt["iter_num"]
-    if trained:
+    if not done:
         print(f"{name} done: val loss {last['val_loss']:.4f} after {iter_num} iters, "
               f"{iter_num * flops_per_iter:.2e} FLOPs, {fmt_time(time.time() - t_start)}")
     else:
         print(f"{name}: already trained to iter {iter_num} (max_iters={max_iters}); nothing to do")
     result = dict(out_dir=out_dir, iter=iter_num, val_loss=last.get("val_loss"), flops=iter_num * flops_per_iter)
     if data.rows:  # the task's final score, on the whole test split
-        test = log_test_accuracy(raw_model, cfg, data.meta, ctx, log_path, iter_num) if master else {}
+        test = log_test_accuracy(raw_model, cfg, data.meta, ctx, log_path, iter_num, done) if master else {}
         result.update(accuracy=last.get("accuracy"), test_accuracy=test.get("test_accuracy"))
     return result
 
@@ -656,16 +635,6 @@ def save_run(raw_model, optimizer, scaler, model_args, cfg, meta, iter_num, best
                              scaler=scaler.state_dict(), iter_num=iter_num, best_val_loss=best_val, config=cfg,
                              meta=meta, rng_cpu=torch.get_rng_state(),
                              rng_cuda=torch.cuda.get_rng_state_all() if cuda else [], **last), cfg["out_dir"])
-
-
-def start_log(path, header, keep_until=None):
-    """Start out_dir/log.jsonl with its header; on resume keep the old records up to keep_until (the
-    checkpoint's iter: later ones are redone). Atomic, so a crash here loses nothing."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    keep = [r for r in read_log(path) if r["iter"] <= keep_until] if keep_until is not None \
-        and os.path.exists(path) else []
-    with atomic_file(path) as f:
-        f.writelines(json.dumps(r) + "\n" for r in [header] + keep)
 
 
 def main(argv=None):
