@@ -146,7 +146,8 @@ def probes(model):
     got["values"][l]: the values layer l's attention uses (B, T, d = H*hd, heads concatenated in order;
     with LIMe the MIXED values, hooked on attn.value_probe), and
     got["hidden"][l]: the residual stream at block l's output (B, T, C), i.e. after its attention and MLP
-    have been added (the next block's input; for the last block, before the final norm)."""
+    have been added (the next block's input; for the last block, before the final norm). With
+    Hyper-Connections, the sum of its n streams (B, T, n, C): what the final norm would read there."""
     L = model.config.n_layer
     got = dict(values=[None] * L, hidden=[None] * L)
     def keep_values(l, v):
@@ -154,7 +155,8 @@ def probes(model):
         got["values"][l] = v.transpose(1, 2).reshape(B, T, H * hd)  # (B, T, d)
     hooks = [h for l, block in enumerate(model.transformer.h) for h in (
         block.attn.value_probe.register_forward_hook(lambda m, i, out, l=l: keep_values(l, out)),
-        block.register_forward_hook(lambda m, i, out, l=l: got["hidden"].__setitem__(l, out)))]
+        block.register_forward_hook(lambda m, i, out, l=l: got["hidden"].__setitem__(
+            l, out.sum(2) if out.dim() == 4 else out)))]                          # (B, T, C)
     try:
         yield got
     finally:
@@ -513,8 +515,8 @@ def analyze_compare(out_dir, device="cpu", extra=(), layer=None, max_sequences=M
         "last character, BPE: its ' word' token), each with the block_size-token window that ends at it; "
         "the same number per word (per_word, drawn with the seed); per layer, the features at the word: "
         "'values' = the values that layer's attention uses (LIMe: mixed), 'hidden' = the residual stream "
-        "at the block's output; multinomial logistic regression (L-BFGS to convergence, mean cross-entropy + "
-        "l2/2 ||W||^2, features standardized on the training folds), stratified seeded k-fold CV, "
+        "at the block's output (HC: the sum of its streams); multinomial logistic regression (L-BFGS to "
+        "convergence, mean cross-entropy + l2/2 ||W||^2, features standardized on the training folds), stratified seeded k-fold CV, "
         "mean and std (ddof=0) of the fold accuracies"), per_run={}, skipped={}))
     curves, ceilings, sep_curves = {}, set(), {}
     for name, d in runs.items():

@@ -3190,7 +3190,8 @@ def test_analyze_compare_separability(tmp_path, capsys):
     prepare(SEP_TEXT, data, tokenizer="char", val_fraction=0.5)
     make_run(str(out / "baseline"), data, lime=False)
     make_run(str(out / "lime"), data, lime=True)
-    result = analyze.analyze_compare(str(out), words=["is", "was", "were"], seed=1)
+    make_run(str(out / "hc"), data, lime=False, hc_rate=2)  # HC's hidden state: the sum of its streams
+    result = analyze.analyze_compare(str(out), words=["is", "was", "were"], seed=1, extra=[str(out / "hc")])
     printed = capsys.readouterr().out
     with open(out / "separability.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -3198,7 +3199,8 @@ def test_analyze_compare_separability(tmp_path, capsys):
     saved = json.load(open(out / "analysis.json"))["separability"]
     assert saved == json.loads(json.dumps(result["separability"])) and saved["skipped"] == {} and saved["seed"] == 1
     val = get_tokenizer(load_meta(data)).decode(load_tokens(data, "val"))
-    for run in ["baseline", "lime"]:
+    assert sorted(saved["per_run"]) == sorted(["baseline", "lime", os.path.normpath(out / "hc")])
+    for run in ["baseline", "lime", os.path.normpath(out / "hc")]:
         r = saved["per_run"][run]
         # every whole word in the val text, less those within the first block_size - 1 = 15 characters
         assert r["found"] == {w: sum(m.end() > 15 for m in re.finditer(rf"\b{w}\b", val)) for w in saved["words"]}
