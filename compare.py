@@ -528,11 +528,11 @@ def plot_compare(path, runs, summary, title="", key="val_loss"):
     for (v, rs), color in zip(runs.items(), COLORS * len(runs)):
         (vf, vm, vlo, vhi), (tf, tm, _, _) = mean_band(rs, "val_loss"), mean_band(rs, "train_loss")
         for ax in axes if key == "val_loss" else axes[:1]:
-            ax.plot(tf, smooth(tm), color=color, alpha=0.35, lw=1, label=f"{v} train (smoothed)")
+            ax.plot(tf, smooth(tm), color=color, alpha=0.35, lw=1)
         for ax, k, (f, m, lo, hi) in [(axes[0], 1, (vf, vm, vlo, vhi)), (axes[1], scale, mean_band(rs, key))]:
-            ax.plot(f, k * m, color=color, lw=2.2, marker="o", ms=4, label=f"{v} val")
+            ax.plot(f, k * m, color=color, lw=2.2, marker="o", ms=4, label=v if ax is axes[0] else None)
             if n > 1:
-                ax.fill_between(f, k * lo, k * hi, color=color, alpha=0.2, lw=0, label=f"{v} val, min-max over seeds")
+                ax.fill_between(f, k * lo, k * hi, color=color, alpha=0.2, lw=0)
         bands.append((vf, vlo, vhi))
     what = "val loss" if key == "val_loss" else "accuracy"
     for ax in right:
@@ -544,7 +544,6 @@ def plot_compare(path, runs, summary, title="", key="val_loss"):
             never.append(v)
         for ax in right if match is not None else []:
             ax.axvline(match, color=color, ls=":", lw=1.2, label=f"{v} reaches it: {ratio:.2f}x the FLOPs")
-    k = len(sec) - len(never)  # the reference lines' legend entries
     for ax in axes:
         ax.set(xlabel="cumulative training FLOPs", ylabel="loss (nats/token)")
         ax.grid(alpha=0.3)
@@ -564,14 +563,10 @@ def plot_compare(path, runs, summary, title="", key="val_loss"):
         axes[1].set(ylabel="accuracy (%)", title=f"accuracy vs training FLOPs: greedy solutions of\n"
                     f"{problems(summary)} val problems, final answer correct" + never_text)
         axes[1].title.set_fontsize(10)
-    handles, labels = axes[1].get_legend_handles_labels()
-    if key == "val_loss":
-        axes[0].legend(handles[:-k], labels[:-k], fontsize=8, loc="upper right")
-        axes[1].legend(handles[-k:], labels[-k:], fontsize=9, loc="upper right")
-    else:
-        axes[0].legend(fontsize=8)
-        axes[1].legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
+    axes[0].legend(fontsize=9, loc="upper right", ncol=1 + (len(runs) > 4))  # one entry per variant, its colour
+    axes[1].legend(fontsize=8, loc="best")                                     # the reference lines
+    style = "bold with markers: val; faint: train (smoothed)" + ("; shaded: min-max over seeds" if n > 1 else "")
+    fig.suptitle(f"{title}\n{style}" if title else style, fontsize=10)
     fig.tight_layout()
     save_figure(fig, path)
 
