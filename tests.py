@@ -1554,6 +1554,18 @@ def test_train_end_to_end_both_variants(tiny_data, tmp_path):
             assert groups[2]["lr"] == pytest.approx(groups[0]["lr"] * 5e-3 / train.PRESETS["cpu"]["learning_rate"])
 
 
+def same_records(dir_a, dir_b, iters):
+    """The logs of two runs hold records at the same iters with the same losses, lr and FLOPs (to 1e-6)."""
+    a, b = records(dir_a), records(dir_b)
+    assert [r["iter"] for r in a] == [r["iter"] for r in b] == iters
+    for ra, rb in zip(a, b):
+        for k in ("train_loss", "val_loss", "lr", "flops"):
+            assert (k in ra) == (k in rb)
+            if k in ra:
+                assert abs(ra[k] - rb[k]) <= 1e-6, (ra, rb)
+    return a, b
+
+
 def test_train_resume_is_exact(tiny_data, tmp_path):
     flags = tiny_data("--lime=True", "--dropout=0.1", "--gradient_accumulation_steps=2", "--lr_decay_iters=8")
     train.main(flags + ["--max_iters=8", f"--out_dir={tmp_path / 'a'}"])
@@ -1561,13 +1573,7 @@ def test_train_resume_is_exact(tiny_data, tmp_path):
     with open(tmp_path / "b" / "log.jsonl", "a") as f:  # a record past the checkpoint must be dropped
         f.write(json.dumps(dict(iter=5, tokens=0, flops=0, train_loss=9.0)) + "\n")
     train.main([f"--out_dir={tmp_path / 'b'}", "--resume=True", "--max_iters=8", "--device=cpu"])
-    a, b = records(tmp_path / "a"), records(tmp_path / "b")
-    assert [r["iter"] for r in a] == [r["iter"] for r in b] == [0, 2, 4, 6, 8]
-    for ra, rb in zip(a, b):
-        for k in ("train_loss", "val_loss", "lr", "flops"):
-            assert (k in ra) == (k in rb)
-            if k in ra:
-                assert abs(ra[k] - rb[k]) <= 1e-6, (ra, rb)
+    a, b = same_records(tmp_path / "a", tmp_path / "b", [0, 2, 4, 6, 8])
 
 
 def test_train_lime_switches_checkpoint_round_trip(tiny_data, tmp_path, capsys):
@@ -1639,13 +1645,7 @@ def test_train_hc_resume_is_exact(tiny_data, tmp_path):
         with pytest.raises(ValueError, match=f"{flag[2:flag.index('=')]} differs"):
             train.main([f"--out_dir={tmp_path / 'b'}", "--resume=True", "--max_iters=8", "--device=cpu", flag])
     train.main([f"--out_dir={tmp_path / 'b'}", "--resume=True", "--max_iters=8", "--device=cpu"])
-    a, b = records(tmp_path / "a"), records(tmp_path / "b")
-    assert [r["iter"] for r in a] == [r["iter"] for r in b] == [0, 2, 4, 6, 8]
-    for ra, rb in zip(a, b):
-        for k in ("train_loss", "val_loss", "lr", "flops"):
-            assert (k in ra) == (k in rb)
-            if k in ra:
-                assert abs(ra[k] - rb[k]) <= 1e-6, (ra, rb)
+    a, b = same_records(tmp_path / "a", tmp_path / "b", [0, 2, 4, 6, 8])
     assert a[-1]["flops"] == 3 * model.flops_per_token(16) * 8 * 4 * 16 * 2
     _, end = common.load_checkpoint(str(tmp_path / "b"))
     assert not torch.equal(end["model"]["transformer.h.1.hc_mlp.static_alpha"],
