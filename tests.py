@@ -72,6 +72,17 @@ def with_random_routers(config):
     return model
 
 
+def counted_flops(model, idx):
+    """FlopCounterMode's count for one forward pass and for one forward + backward pass of model(idx, idx), with
+    attention through the math SDPA kernel (the fused CPU kernel reports 0 FLOPs to FlopCounterMode)."""
+    with sdpa_kernel(SDPBackend.MATH):
+        with FlopCounterMode(display=False) as fwd:
+            model(idx, idx)
+        with FlopCounterMode(display=False) as both:
+            model(idx, idx)[1].backward()
+    return fwd.get_total_flops(), both.get_total_flops()
+
+
 # ----------------------------------------------------------------------------- lime.py: the method
 
 SWITCHES = [dict(lime_kv=kv, lime_sources=src) for kv in ("kv", "k", "v") for src in ("all", "first", "previous")]
@@ -569,13 +580,9 @@ def test_flops_match_flop_counter(lime, shape):
     B, T = 2, shape["block_size"]
     idx = torch.randint(0, shape["vocab_size"], (B, T))
     expected = model.flops_per_token(T) * B * T
-    with sdpa_kernel(SDPBackend.MATH):
-        with FlopCounterMode(display=False) as fwd:
-            model(idx, idx)
-        with FlopCounterMode(display=False) as both:
-            model(idx, idx)[1].backward()
-    assert abs(fwd.get_total_flops() / expected - 1) < 0.01
-    assert abs(both.get_total_flops() / (3 * expected) - 1) < 0.01
+    fwd, both = counted_flops(model, idx)
+    assert abs(fwd / expected - 1) < 0.01
+    assert abs(both / (3 * expected) - 1) < 0.01
 
 
 @pytest.mark.ex4
@@ -589,13 +596,9 @@ def test_flops_match_flop_counter_every_switch(switches, fused):
     model = with_random_routers(GPTConfig(lime=True, fused_mix=fused, **shape, **switches))
     idx = torch.randint(0, 50, (2, 8))
     expected = model.flops_per_token(8) * 2 * 8
-    with sdpa_kernel(SDPBackend.MATH):
-        with FlopCounterMode(display=False) as fwd:
-            model(idx, idx)
-        with FlopCounterMode(display=False) as both:
-            model(idx, idx)[1].backward()
-    assert abs(fwd.get_total_flops() / expected - 1) < 0.01
-    assert abs(both.get_total_flops() / (3 * expected) - 1) < 0.01
+    fwd, both = counted_flops(model, idx)
+    assert abs(fwd / expected - 1) < 0.01
+    assert abs(both / (3 * expected) - 1) < 0.01
     mix = sum(2 * (l + 1) * 2 * 2 * 8 for l in range(1, 5))                  # one of keys/values, all columns
     base = GPT(GPTConfig(lime=False, **shape)).flops_per_token(8)
     assert model.flops_per_token(8) - base == mix * len(switches["lime_kv"])
@@ -856,12 +859,8 @@ def test_hc_flops_match_flop_counter(n, dynamic, lime):
     model = GPT(GPTConfig(lime=lime, hc_rate=n, hc_dynamic=dynamic, **shape))
     idx = torch.randint(0, 64, (2, 24))
     expected = model.flops_per_token(24) * 2 * 24
-    with sdpa_kernel(SDPBackend.MATH):
-        with FlopCounterMode(display=False) as fwd:
-            model(idx, idx)
-        with FlopCounterMode(display=False) as both:
-            model(idx, idx)[1].backward()
-    assert fwd.get_total_flops() == expected and both.get_total_flops() == 3 * expected
+    fwd, both = counted_flops(model, idx)
+    assert fwd == expected and both == 3 * expected
     D = 32
     extra = 2 * (n + 1) * n * D + (2 * n * D * (n + 1) + 2 * n * D if dynamic else 0)  # per hyper-connection
     plain = GPT(GPTConfig(lime=lime, **shape)).flops_per_token(24)
