@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from prepare_data import CharTokenizer, atomic_file, get_tokenizer, load_meta, load_rows, load_tokens, on_full_disk
-from common import check_dataset, find_runs, fixed_val_batches, load_checkpoint, setup_device
+from common import check_dataset, find_runs, fixed_val_batches, load_checkpoint, run_main, setup_device
 from lime import source_mask, source_routers
 
 MAX_BATCHES, MAX_SEQUENCES = 8, 64  # plenty for a stable mean (it varies little across sequences), and
@@ -590,11 +590,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        sys.exit(130)
+    run_main(main, interrupted="interrupted")

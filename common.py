@@ -425,9 +425,9 @@ def from_rank0(x, device):
     return t.item()
 
 
-def run_main(main):
-    """`if __name__ == "__main__": run_main(main)` in train.py and compare.py: main() with errors as one line
-    and exit 1, and a clean exit under torchrun."""
+def run_main(main, interrupted="interrupted; continue with the same command plus --resume=True"):
+    """`if __name__ == "__main__": run_main(main)` in train.py, compare.py, sample.py and analyze.py: main() with
+    errors as one line and exit 1, Ctrl-C as one line (`interrupted`, exit 130), and a clean exit under torchrun."""
     sys.stdout.reconfigure(line_buffering=True)  # progress reaches `python train.py ... > log` as it happens
     try:
         main()
@@ -435,7 +435,7 @@ def run_main(main):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
-        print("\ninterrupted; continue with the same command plus --resume=True", file=sys.stderr)
+        print("\n" + interrupted, file=sys.stderr)
         sys.exit(130)
     if "RANK" in os.environ:
         # under torchrun, done: skip the interpreter's teardown. DDP leaves gloo's threads running past

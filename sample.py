@@ -21,7 +21,7 @@ import torch
 
 from prepare_data import (encode_problem, get_tokenizer, parse_expression, problem_tokens, problem_text, task_answer,
                           task_meta_problem)
-from common import load_checkpoint, setup_device, variant_name
+from common import load_checkpoint, run_main, setup_device, variant_name
 
 SEPARATOR = "---------------"
 
@@ -182,11 +182,4 @@ def main_task(args, model, ckpt, ctx):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        sys.exit(130)
+    run_main(main, interrupted="interrupted")

@@ -2875,9 +2875,11 @@ def test_checkpoint_temp_file_left_by_a_kill_is_ignored_then_removed(tmp_path):
     assert common.read_checkpoint(os.path.join(out, "ckpt.pt"))["iter_num"] == 2
 
 
-@pytest.mark.parametrize("script, args", [("prepare_data.py", ["--input=t.txt"]), ("sample.py", [])])
+@pytest.mark.parametrize("script, args", [("prepare_data.py", ["--input=t.txt"]), ("sample.py", []),
+                                          ("analyze.py", [])])
 def test_ctrl_c_is_one_line(tmp_path, script, args):
-    """Ctrl-C: "interrupted", exit 130, no traceback (analyze.py and bench.py have the same three lines)."""
+    """Ctrl-C: "interrupted", exit 130, no traceback (sample.py and analyze.py through common.run_main; bench.py has
+    the same lines)."""
     (tmp_path / "t.txt").write_text(DATA_TEXT)
     r = run_script_patched(script, "import argparse\ndef _ki(*a, **k): raise KeyboardInterrupt\n"
                                    "argparse.ArgumentParser.parse_args = _ki", *args, cwd=tmp_path)
